@@ -1,0 +1,143 @@
+"""The one exception hierarchy of Stackfuse.
+
+Shallow on purpose (after httpx): a caller catches ``StackfuseError`` or one of four families.
+Every error carries a stable ``type`` slug (the last segment of the RFC 9457 problem type URI),
+the HTTP status the API answers with, and a message a person can act on. Foreign errors (TVM,
+nvcc, redis) are translated into these at one boundary each; none leaks raw to a client.
+
+    StackfuseError
+    ├── RequestError        bad HTTP request (size, media type, JSON, target, idempotency)
+    ├── InputError          the module itself is unusable or hostile (parse, allow-list, limits)
+    ├── CompileError        a deterministic failure of partition/codegen/build: not retried
+    └── InfrastructureError the machine failed (toolchain missing, timeout, killed): retryable
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class StackfuseError(Exception):
+    """Base of every error Stackfuse raises on purpose."""
+
+    type: ClassVar[str] = "internal-error"
+    title: ClassVar[str] = "Internal error"
+    status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job-record / CLI form: ``{"type", "title", "message", ...detail}``."""
+        return {"type": self.type, "title": self.title, "message": self.message, **self.detail}
+
+
+# --- requests -----------------------------------------------------------------------------
+class RequestError(StackfuseError):
+    type = "bad-request"
+    title = "Bad request"
+    status = 400
+
+
+class PayloadTooLarge(RequestError):
+    type = "payload-too-large"
+    title = "Request body too large"
+    status = 413
+
+
+class UnsupportedMediaType(RequestError):
+    type = "unsupported-media-type"
+    title = "Unsupported media type"
+    status = 415
+
+
+class MalformedJSON(RequestError):
+    type = "malformed-json"
+    title = "Body is not valid JSON"
+    status = 400
+
+
+class UnknownTarget(RequestError):
+    type = "unknown-target"
+    title = "Unknown target"
+    status = 422
+
+
+class IdempotencyConflict(RequestError):
+    type = "idempotency-conflict"
+    title = "Idempotency-Key reused with a different body"
+    status = 422
+
+
+class NotFound(RequestError):
+    type = "not-found"
+    title = "Not found"
+    status = 404
+
+
+class NotReady(RequestError):
+    type = "not-ready"
+    title = "Not ready"
+    status = 409
+
+
+# --- the module ---------------------------------------------------------------------------
+class InputError(StackfuseError):
+    """The module cannot be accepted as sent."""
+
+    type = "invalid-module"
+    title = "Invalid module"
+    status = 422
+
+
+class LimitExceeded(InputError):
+    type = "limit-exceeded"
+    title = "Module exceeds a limit"
+    status = 413
+
+
+class ForbiddenConstruct(InputError):
+    type = "forbidden-construct"
+    title = "Module uses a construct Stackfuse refuses"
+    status = 422
+
+
+# --- compiling ----------------------------------------------------------------------------
+class CompileError(StackfuseError):
+    """Deterministic: the same input fails the same way, so it is never retried."""
+
+    type = "compile-failed"
+    title = "Compilation failed"
+    status = 422
+
+
+class UnsupportedTarget(CompileError):
+    type = "unsupported-target"
+    title = "Target not supported"
+
+
+class TimeLimitExceeded(CompileError):
+    """A step ran past its time limit. Not retried: the same input would run as long again."""
+
+    type = "time-limit-exceeded"
+    title = "Time limit exceeded"
+
+
+# --- infrastructure -----------------------------------------------------------------------
+class InfrastructureError(StackfuseError):
+    """The machine, not the input, failed; a retry on another worker may succeed."""
+
+    type = "infrastructure-error"
+    title = "Infrastructure failure"
+    status = 503
+    retryable = True
+
+
+class ToolchainError(InfrastructureError):
+    type = "toolchain-error"
+    title = "Toolchain unavailable or failed"
+
+

@@ -1,0 +1,90 @@
+"""Every tunable of Stackfuse, in one place.
+
+Values come from the environment (prefix ``STACKFUSE_``; ``REDIS_URL`` is also read bare, as
+container platforms set it). Defaults are chosen so that ``stackfuse serve`` works on a fresh
+machine with nothing configured. Nothing here imports TVM, FastAPI or RQ.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+class Settings(BaseSettings):
+    """Runtime configuration shared by the API, the workers and the CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="STACKFUSE_", extra="ignore")
+
+    # --- infrastructure -------------------------------------------------------------------
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("STACKFUSE_REDIS_URL", "REDIS_URL"),
+        description="Redis holding the queue and job records.",
+    )
+    data_dir: Path = Field(
+        default=Path(".stackfuse-data"),
+        description="Content-addressed store shared by API and workers (inputs, artifacts, reports).",
+    )
+    kernel_cache_dir: Path | None = Field(
+        default=None,
+        description="Compiled kernel objects, keyed by source+flags+nvcc; default <data_dir>/kernels.",
+    )
+    queue_name: str = "stackfuse"
+
+    # --- API ------------------------------------------------------------------------------
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    max_body_bytes: int = Field(default=64 * MiB, description="Largest POST /optimize body.")
+    retry_after_s: int = Field(default=2, description="Retry-After sent while a job runs.")
+
+    # --- module limits (checked before TVM parses anything, then on the loaded IR) ----------
+    max_json_nodes: int = 2_000_000
+    max_json_depth: int = 64
+    max_functions: int = 256
+    max_bindings: int = 100_000
+    max_tensor_rank: int = 8
+    max_dim: int = 2**31 - 1
+    max_tensor_elements: int = 2**40
+    max_constant_bytes: int = 2 * GiB
+    max_string_bytes: int = 4096
+
+    # --- jobs -----------------------------------------------------------------------------
+    job_timeout_s: int = Field(default=1800, description="Wall time of one job in a work-horse.")
+    job_retries: int = Field(default=2, description="Retries after an infrastructure death.")
+    job_retry_intervals_s: list[int] = Field(default_factory=lambda: [5, 30])
+    result_ttl_s: int = Field(default=7 * 24 * 3600, description="Finished job records kept.")
+    failure_ttl_s: int = Field(default=7 * 24 * 3600, description="Failed job records kept.")
+    idempotency_ttl_s: int = 24 * 3600
+    worker_heartbeat_s: int = 10
+    worker_ttl_s: int = Field(default=60, description="A worker silent this long is lost.")
+
+    # --- toolchain ------------------------------------------------------------------------
+    cuda_home: Path | None = Field(default=None, description="CUDA toolkit root; found if unset.")
+    nvcc_timeout_s: int = 600
+    nvcc_memory_bytes: int = 8 * GiB
+    nvcc_threads: int = 2
+    link_timeout_s: int = 300
+    max_output_file_bytes: int = 2 * GiB
+    error_excerpt_chars: int = 2000
+
+    # --- validation (runs the built library on a GPU, in a separate process) ---------------
+    validate_on_gpu: bool = Field(default=True, description="Validate on GPU when the host has one.")
+    validate_timeout_s: int = 300
+    validate_cpu_s: int = 300
+    validate_memory_bytes: int = 64 * GiB
+
+    def resolved_kernel_cache_dir(self) -> Path:
+        return self.kernel_cache_dir or (self.data_dir / "kernels")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings, read once; tests build their own ``Settings`` instead."""
+    return Settings()

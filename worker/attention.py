@@ -1,0 +1,82 @@
+"""The attention workload a kernel must implement, and where its operands live in memory.
+
+``partition`` produces an :class:`AttentionSpec` from a matched site; ``codegen`` renders a kernel
+from it; the report shows its layout. It holds numbers and enums only: nothing the client named
+ever reaches generated source through it. No TVM import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+DType = Literal["float16", "bfloat16", "float32"]
+Causal = Literal["none", "TopLeft", "BottomRight"]
+
+#: bits per element of each supported dtype
+DTYPE_BITS: dict[str, int] = {"float16": 16, "bfloat16": 16, "float32": 32}
+
+
+@dataclass(frozen=True)
+class TensorAccess:
+    """How one of Q/K/V is read: from operand ``operand`` (an index into the kernel's arguments),
+    starting ``offset`` elements past its base pointer, with ``row_stride`` elements between
+    sequence positions and ``head_stride`` between heads. The batch stride is
+    ``row_stride * seq_len`` of that operand, known at run time."""
+
+    operand: int
+    offset: int
+    row_stride: int
+    head_stride: int
+
+
+@dataclass(frozen=True)
+class BiasSpec:
+    """An additive bias of rank 4, ``[B|1, N|1, S|1, S_kv]``; broadcast dims get stride 0."""
+
+    operand: int
+    shape: tuple[int | str, int | str, int | str, int | str]
+
+
+DYNAMIC = "?"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention site: ``out[b, s, n, :] = softmax(scale * q k^T + bias, mask) v``.
+
+    Dims are ints when static; the string ``"?"`` marks a dim read from the operand's shape at
+    run time (only batch and sequence lengths may be dynamic; the client's names for them stay
+    in the report, never here). ``num_operands`` counts kernel
+    inputs; the output is one more argument after them, compact ``[B, S, Nq, Hv]``.
+    """
+
+    dtype: DType
+    batch: int | str
+    seq_q: int | str
+    seq_kv: int | str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    causal: Causal
+    q: TensorAccess
+    k: TensorAccess
+    v: TensorAccess
+    num_operands: int
+    bias: BiasSpec | None = None
+    packing: Literal["blocked", "per_head", "separate"] = "blocked"
+    #: shapes of the kernel's input operands, in argument order, for run-time checks
+    operand_shapes: tuple[tuple[int | str, ...], ...] = field(default_factory=tuple)
+
+    @property
+    def elem_bits(self) -> int:
+        return DTYPE_BITS[self.dtype]
+
+    def fingerprint(self) -> str:
+        """Identical workloads share one kernel object: this names it."""
+        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
