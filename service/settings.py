@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,6 +44,11 @@ class Settings(BaseSettings):
     api_port: int = 8000
     max_body_bytes: int = Field(default=64 * MiB, description="Largest POST /optimize body.")
     retry_after_s: int = Field(default=2, description="Retry-After sent while a job runs.")
+    max_idempotency_key_chars: int = Field(default=255, description="Longest Idempotency-Key.")
+    parse_in_thread_bytes: int = Field(
+        default=1 * MiB,
+        description="Bodies larger than this are parsed and stored off the event loop.",
+    )
 
     # --- module limits (checked before TVM parses anything, then on the loaded IR) ----------
     max_json_nodes: int = 2_000_000
@@ -54,6 +60,12 @@ class Settings(BaseSettings):
     max_tensor_elements: int = 2**40
     max_constant_bytes: int = 2 * GiB
     max_string_bytes: int = 4096
+    max_ir_depth: int = Field(
+        default=256,
+        description="Longest chain of references in the IR graph (TVM's loader and passes recurse).",
+    )
+    max_script_bytes: int = Field(default=8 * MiB, description="Largest TVMScript text accepted.")
+    max_script_depth: int = Field(default=64, description="Deepest Python syntax tree in TVMScript.")
 
     # --- jobs -----------------------------------------------------------------------------
     job_timeout_s: int = Field(default=1800, description="Wall time of one job in a work-horse.")
@@ -64,6 +76,20 @@ class Settings(BaseSettings):
     idempotency_ttl_s: int = 24 * 3600
     worker_heartbeat_s: int = 10
     worker_ttl_s: int = Field(default=60, description="A worker silent this long is lost.")
+    maintenance_interval_s: int = Field(
+        default=30,
+        description="How often a worker looks for jobs of lost workers (and re-queues them).",
+    )
+    worker_count: int | None = Field(
+        default=None, description="RQ workers `stackfuse worker` starts; default one per GPU."
+    )
+    shutdown_grace_s: int = Field(
+        default=10,
+        description="`stackfuse serve`: how long Ctrl-C waits for a running job before killing it.",
+    )
+    store_fsync: bool = Field(
+        default=True, description="fsync stored objects before publishing them (crash safety)."
+    )
 
     # --- toolchain ------------------------------------------------------------------------
     cuda_home: Path | None = Field(default=None, description="CUDA toolkit root; found if unset.")
@@ -71,6 +97,11 @@ class Settings(BaseSettings):
     nvcc_memory_bytes: int = 8 * GiB
     nvcc_threads: int = 2
     link_timeout_s: int = 300
+    link_cudart: Literal["shared", "static"] = Field(
+        default="shared",
+        description="shared: the library needs libcudart.so.13 (as TVM's CUDA runtime does); "
+        "static: embed it (+1.5 MB).",
+    )
     max_output_file_bytes: int = 2 * GiB
     error_excerpt_chars: int = 2000
 

@@ -49,8 +49,9 @@ class AttentionSpec:
 
     Dims are ints when static; the string ``"?"`` marks a dim read from the operand's shape at
     run time (only batch and sequence lengths may be dynamic; the client's names for them stay
-    in the report, never here). ``num_operands`` counts kernel
-    inputs; the output is one more argument after them, compact ``[B, S, Nq, Hv]``.
+    in the report, never here). ``num_operands`` counts kernel arguments before the output.
+    The output is one more
+    argument after them, compact ``[B, S, Nq, Hv]``.
     """
 
     dtype: DType
@@ -69,8 +70,10 @@ class AttentionSpec:
     num_operands: int
     bias: BiasSpec | None = None
     packing: Literal["blocked", "per_head", "separate"] = "blocked"
-    #: shapes of the kernel's input operands, in argument order, for run-time checks
-    operand_shapes: tuple[tuple[int | str, ...], ...] = field(default_factory=tuple)
+    #: one entry per kernel argument before the output, in order: the shape of a tensor operand
+    #: (checked at run time), or None for a non-tensor argument the kernel ignores (TVM passes
+    #: symbolic reshape targets as R.Shape arguments)
+    operand_shapes: tuple[tuple[int | str, ...] | None, ...] = field(default_factory=tuple)
 
     @property
     def elem_bits(self) -> int:

@@ -7,17 +7,23 @@ orchestrates the stages. Stages run in a fixed order and report progress through
 
 On a failure after partitioning ran, ``report.json`` is still written to ``out_dir`` with
 ``error`` set, then the error is raised: clients can see what matched even when a build fails.
+This is also the one boundary where foreign errors (TVM's) become our own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.settings import Settings
-from service.spec import CompileOptions, Target
-from worker.report import Report
+from service.errors import CompileError, StackfuseError
+from service.settings import Settings, get_settings
+from service.spec import CompileOptions, Target, toolchain_versions
+from worker.report import KernelChoice, Library, Report, Summary, Validation
 
 #: progress(stage, fraction_done_overall 0..1, detail) -- detail is e.g. "kernel 2 of 3".
 ProgressFn = Callable[[str, float, str], None]
@@ -25,12 +31,39 @@ ProgressFn = Callable[[str, float, str], None]
 LIBRARY_NAME = "model.so"
 REPORT_NAME = "report.json"
 
+# Where each stage starts on the 0..1 progress scale (codegen dominates a cold compile).
+_STAGE_START = {
+    "ingest": 0.0,
+    "normalize": 0.05,
+    "partition": 0.08,
+    "codegen": 0.12,
+    "build": 0.70,
+    "link": 0.88,
+    "validate": 0.92,
+    "done": 1.0,
+}
+
 
 @dataclass(frozen=True)
 class CompileResult:
     library: Path
     report_path: Path
     report: Report
+
+
+def _write_report(report: Report, out_dir: Path) -> Path:
+    path = out_dir / REPORT_NAME
+    tmp = out_dir / f".{REPORT_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(report.model_dump_json(indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def _foreign(exc: BaseException, stage: str) -> StackfuseError:
+    """TVM (or anything else) failed: keep the first lines, name the stage."""
+    text = str(exc).strip().splitlines()
+    head = next((ln for ln in reversed(text) if ln.strip()), type(exc).__name__)[:500]
+    return CompileError(f"TVM failed during {stage}: {head}", stage=stage)
 
 
 def compile_module(
@@ -41,20 +74,143 @@ def compile_module(
     out_dir: Path,
     settings: Settings | None = None,
     progress: ProgressFn | None = None,
+    fmt: str = "tvm-json",
 ) -> CompileResult:
-    """Compile one serialized Relax module (TVM JSON) into ``out_dir/model.so`` + report.
+    """Compile one serialized Relax module into ``out_dir/model.so`` + ``out_dir/report.json``.
 
     Raises only :class:`service.errors.StackfuseError` subclasses: ``InputError`` for a bad or
     hostile module, ``CompileError`` for a deterministic failure, ``InfrastructureError`` when
     the toolchain or machine failed.
     """
-    from worker import _pipeline_impl
-
-    return _pipeline_impl.run(
-        module,
-        target=target,
-        options=options,
-        out_dir=out_dir,
-        settings=settings,
-        progress=progress,
+    settings = settings or get_settings()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = module.encode() if isinstance(module, str) else module
+    report = Report(
+        input_sha256=hashlib.sha256(payload).hexdigest(),
+        target=target.model_dump(mode="json"),
+        toolchain=toolchain_versions(),
     )
+    partitioned = False
+    current = ["ingest"]
+
+    def say(stage: str, detail: str = "", within: float = 0.0) -> None:
+        current[0] = stage
+        if progress is None:
+            return
+        start = _STAGE_START[stage]
+        nxt = min((v for v in _STAGE_START.values() if v > start), default=1.0)
+        progress(stage, start + (nxt - start) * within, detail)
+
+    @contextmanager
+    def timed(stage: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            report.timings[stage] = round(report.timings.get(stage, 0.0) + time.monotonic() - t0, 4)
+
+    try:
+        say("ingest")
+        with timed("ingest"):
+            from worker.ingest import load_module  # imports TVM (via toolchain) on first use
+
+            mod = load_module(payload, fmt, settings)
+        from worker import build, codegen, normalize, partition, validate
+
+        say("normalize")
+        with timed("normalize"):
+            if options.normalize:
+                mod, rewrites = normalize.normalize(mod, options)
+                report.normalizations.extend(rewrites)
+        say("partition")
+        with timed("partition"):
+            result = partition.partition(mod, options)
+        partitioned = True
+        report.matches = result.match_entries()
+        report.check_failures = result.failures
+        stacked = sum(1 for f in result.fused if f.pattern.kind == "stacked")
+        report.summary = Summary(
+            attention_sites=len(result.sites),
+            fused_stacked=stacked,
+            fused_plain=len(result.fused) - stacked,
+            not_offloaded=len(result.sites) - len(result.fused),
+        )
+
+        say("codegen")
+        with timed("codegen"):
+            chosen = [
+                codegen.select_kernel(f.analysis.spec, target.arch, options.kernel)
+                for f in result.fused
+            ]  # type: ignore[arg-type]
+            unique = {ks.symbol: ks for ks, _ in chosen}
+            compiled: dict[str, codegen.CompiledKernel] = {}
+            for i, ks in enumerate(unique.values()):
+                say("codegen", f"compile {i + 1} of {len(unique)} kernels", i / max(1, len(unique)))
+                compiled[ks.symbol] = codegen.compile_object(ks, settings=settings)
+        for match, (ks, reason) in zip(report.matches, chosen, strict=True):
+            ck = compiled[ks.symbol]
+            match.kernel = KernelChoice(
+                family=ks.family,  # type: ignore[arg-type]
+                symbol=ks.symbol,
+                reason=reason,
+                config=ks.config,
+                workspace_bytes=ks.workspace_bytes,
+                compile_seconds=round(ck.seconds, 3),
+                cache_hit=ck.cache_hit,
+            )
+
+        say("build")
+        library = out_dir / LIBRARY_NAME
+        with timed("build"):
+            mod = build.share_kernels(
+                result.mod,
+                {
+                    f.gvar.name_hint: ks.symbol
+                    for f, (ks, _) in zip(result.fused, chosen, strict=True)
+                },
+            )
+            build.build_library(
+                mod,
+                {s: c.object_path for s, c in compiled.items()},
+                arch=target.arch,
+                out_path=library,
+                settings=settings,
+                on_stage=lambda s: say(s),
+            )
+        data = library.read_bytes()
+        report.library = Library(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+
+        say("validate")
+        with timed("validate"):
+            report.validation = (
+                validate.maybe_validate(
+                    library,
+                    payload,
+                    fmt,
+                    target,
+                    options,
+                    settings,
+                    validate.signature(mod["main"]),
+                )
+                if options.validate_on_gpu != "never"
+                else Validation(
+                    status="not_run", reason="validation disabled by options.validate_on_gpu"
+                )
+            )
+        if report.validation.status == "failed":
+            raise CompileError(
+                f"the built library disagrees with the reference: {report.validation.reason}"
+            )
+    except StackfuseError as exc:
+        if partitioned:
+            report.error = {k: str(v) for k, v in exc.to_dict().items()}
+            _write_report(report, out_dir)
+        raise
+    except Exception as exc:  # TVM and friends: translated here, once
+        err = _foreign(exc, current[0])
+        if partitioned:
+            report.error = {k: str(v) for k, v in err.to_dict().items()}
+            _write_report(report, out_dir)
+        raise err from exc
+    say("done")
+    return CompileResult(library=library, report_path=_write_report(report, out_dir), report=report)

@@ -153,13 +153,18 @@ def _find(cuda_home_setting: str | None) -> Toolchain:
     nvcc = home / "bin" / "nvcc"
     libdirs = [home / "lib64", home / "lib", home / "targets" / "x86_64-linux" / "lib"]
     cudart_static = _first([d / "libcudart_static.a" for d in libdirs], "libcudart_static.a")
-    cudart_shared = next((d / "libcudart.so.13" for d in libdirs if (d / "libcudart.so.13").exists()), None)
+    cudart_shared = next(
+        (d / "libcudart.so.13" for d in libdirs if (d / "libcudart.so.13").exists()), None
+    )
     cutlass = _find_in_site("cutlass_library", "source")
     if cutlass is None:
         raise ToolchainError("CUTLASS sources not found: install nvidia-cutlass==4.2.0.0")
     curand = None
-    for cand in (home / "include", _find_in_site("nvidia", "cu13", "include"),
-                 _find_in_site("nvidia", "curand", "include")):
+    for cand in (
+        home / "include",
+        _find_in_site("nvidia", "cu13", "include"),
+        _find_in_site("nvidia", "curand", "include"),
+    ):
         if cand is not None and (cand / "curand_kernel.h").exists():
             curand = cand
             break
@@ -230,7 +235,8 @@ def has_gpu() -> bool:
         "try: lib=ctypes.CDLL('libcuda.so.1')\n"
         "except OSError: sys.exit(1)\n"
         "n=ctypes.c_int(0)\n"
-        "sys.exit(0 if lib.cuInit(0)==0 and lib.cuDeviceGetCount(ctypes.byref(n))==0 and n.value>0 else 1)\n"
+        "ok=lib.cuInit(0)==0 and lib.cuDeviceGetCount(ctypes.byref(n))==0\n"
+        "sys.exit(0 if ok and n.value>0 else 1)\n"
     )
     try:
         return subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0
@@ -238,26 +244,56 @@ def has_gpu() -> bool:
         return False
 
 
+def _load_cudart(settings: Settings) -> None:
+    """Make libcudart.so.13 resolvable for libtvm_runtime_cuda.so (it is not on the default path
+    everywhere): the system's, the CUDA home's, or the PyPI wheel's (torch ships one)."""
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    candidates: list[Path] = []
+    try:
+        shared = find_toolchain(settings).cudart_shared
+        if shared is not None:
+            candidates.append(shared)
+    except ToolchainError:
+        pass
+    for parts in (("nvidia", "cu13", "lib"), ("nvidia", "cuda_runtime", "lib")):
+        found = _find_in_site(*parts, "libcudart.so.13")
+        if found is not None:
+            candidates.append(found)
+    for cand in candidates:
+        try:
+            ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            continue
+
+
 def import_tvm(settings: Settings | None = None) -> ModuleType:
-    """Import TVM so that it compiles CUDA kernels ahead of time, with or without a driver.
+    """Import TVM so that CUDA works: kernels compile ahead of time on a build host without a
+    driver, and a runtime-only TVM (no libtvm_compiler.so) still gets its CUDA runtime.
 
     Idempotent. Must run before anything else imports ``tvm`` in this process.
     """
-    if "tvm" in sys.modules and getattr(import_tvm, "_done", False):
+    if getattr(import_tvm, "_done", False):
         return sys.modules["tvm"]
     settings = settings or get_settings()
-    chain = find_toolchain(settings)
     if not _driver_present():
-        ctypes.CDLL(str(_driver_stub(settings.resolved_kernel_cache_dir() / "stub")),
-                    mode=ctypes.RTLD_GLOBAL)
-    if chain.cudart_shared is not None:
-        ctypes.CDLL(str(chain.cudart_shared), mode=ctypes.RTLD_GLOBAL)
+        stub_dir = settings.resolved_kernel_cache_dir() / "stub"
+        ctypes.CDLL(str(_driver_stub(stub_dir)), mode=ctypes.RTLD_GLOBAL)
+    _load_cudart(settings)
     import tvm
 
     if not tvm.runtime.enabled("cuda"):
-        raise ToolchainError(
-            "TVM's CUDA runtime did not load (libtvm_runtime_cuda.so); "
-            "is libcudart.so.13 present in the CUDA home?"
-        )
+        # runtime-only TVM does not load its CUDA sidecar on import: load it by hand
+        lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+        try:
+            ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise ToolchainError(f"TVM's CUDA runtime does not load: {exc}") from exc
+    if not tvm.runtime.enabled("cuda"):
+        raise ToolchainError("TVM's CUDA runtime (libtvm_runtime_cuda.so) did not register")
     import_tvm._done = True  # type: ignore[attr-defined]
     return tvm

@@ -1,0 +1,260 @@
+"""Stacked attention three (or four) ways, side by side, in one run on one GPU.
+
+    python -m benchmarks.attention_bench build OUT_DIR   # here: builds the libraries
+    python -m benchmarks.attention_bench run OUT_DIR     # on the GPU: times them, writes results
+
+Per shape (fp16, stacked ``qkv[B, S, 3*N*H]``):
+- ``stackfuse``: our library, kernel chosen by the selector (options.kernel="auto");
+- ``stackfuse_sm80``: our library forced onto the SM80-class CUTLASS kernel;
+- ``tvm_unfused``: the same module compiled by TVM alone (split + reshape + attention);
+- ``sdpa``: PyTorch SDPA on views of the same stacked tensor, default backend, and ``sdpa_best``:
+  the fastest of its backends (flash, efficient, cudnn, math) for that shape: their best path.
+
+Two times per way: *call* latency as a user calls it (CUDA events around back-to-back calls, the
+median of repeats) and *kernel* time from the profiler (sum of GPU kernel durations per call).
+FLOPs = 4*B*S*S*N*H (halved for causal). Results: benchmarks/results/attention_bench.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES: list[dict[str, Any]] = [
+    {"name": "b8_s2048_n16_h128", "b": 8, "s": 2048, "n": 16, "h": 128},
+    {"name": "b4_s4096_n32_h128", "b": 4, "s": 4096, "n": 32, "h": 128},
+    {"name": "b2_s8192_n16_h64", "b": 2, "s": 8192, "n": 16, "h": 64},
+    {
+        "name": "b8_s2048_n16_h128_causal",
+        "b": 8,
+        "s": 2048,
+        "n": 16,
+        "h": 128,
+        "causal": "BottomRight",
+    },
+    {"name": "bert_base_b32_s128_n12_h64", "b": 32, "s": 128, "n": 12, "h": 64},
+    {"name": "b4_s128_n12_h64", "b": 4, "s": 128, "n": 12, "h": 64},
+]
+
+WAYS = {
+    "stackfuse": {"kernel": "auto"},
+    "stackfuse_sm80": {"kernel": "sm80"},
+    "tvm_unfused": {"fuse_stacked": False, "offload_plain": False},
+}
+
+
+def flops(shape: dict[str, Any]) -> float:
+    f = 4.0 * shape["b"] * shape["s"] * shape["s"] * shape["n"] * shape["h"]
+    return f / 2 if shape.get("causal") else f
+
+
+def build(out_dir: Path, names: list[str] | None = None) -> None:
+    from service.settings import get_settings
+    from service.spec import CompileOptions, Target
+    from tests.models import stacked_attention_module, to_json
+    from worker.pipeline import compile_module
+
+    for shape in SHAPES:
+        if names and shape["name"] not in names:
+            continue
+        mod = stacked_attention_module(
+            shape["b"], shape["s"], shape["n"], shape["h"], causal=shape.get("causal")
+        )
+        for way, opts in WAYS.items():
+            t0 = time.monotonic()
+            res = compile_module(
+                to_json(mod),
+                target=Target(arch="sm_90"),
+                options=CompileOptions(validate_on_gpu="never", **opts),
+                out_dir=out_dir / shape["name"] / way,
+                settings=get_settings(),
+            )
+            kernels = sorted({m.kernel.family for m in res.report.matches if m.kernel})
+            (out_dir / shape["name"] / way / "meta.json").write_text(
+                json.dumps({"shape": shape, "kernels": kernels})
+            )
+            print(
+                f"built {shape['name']}/{way} {kernels} in {time.monotonic() - t0:.1f}s", flush=True
+            )
+
+
+def _time_calls(fn: Any, torch: Any, *, reps: int, inner: int) -> float:
+    """Median seconds per call over ``reps`` batches of ``inner`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(samples)
+
+
+def _kernel_time(fn: Any, torch: Any, calls: int = 5) -> float:
+    """Seconds of GPU kernel time per call, from the profiler (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+    return total_us / 1e6 / calls
+
+
+def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from worker.toolchain import import_tvm
+
+    tvm = import_tvm()
+    import tvm_ffi
+    from tvm.runtime.vm import VirtualMachine
+
+    dev = tvm.cuda(0)
+    rows = []
+    for shape in SHAPES:
+        if names and shape["name"] not in names:
+            continue
+        b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
+        causal = shape.get("causal") is not None
+        big = b * s * s * n > 4e9
+        qkv = (torch.randn(b, s, 3 * n * h, device="cuda") * 0.5).half()
+        ways: dict[str, Any] = {}
+        for way in WAYS:
+            lib = out_dir / shape["name"] / way / "model.so"
+            vm = VirtualMachine(tvm.runtime.load_module(str(lib)), dev)
+            arg = tvm.runtime.from_dlpack(qkv)
+            fn = vm["main"]
+            ways[way] = lambda fn=fn, arg=arg: fn(arg)
+
+        def sdpa(
+            qkv: Any = qkv, b: int = b, s: int = s, n: int = n, h: int = h, causal: bool = causal
+        ) -> Any:
+            q, k, v = qkv.split(n * h, dim=2)
+            q, k, v = (t.view(b, s, n, h).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        ways["sdpa"] = sdpa
+        row: dict[str, Any] = {"shape": shape["name"], "flops": flops(shape)}
+        with tvm_ffi.use_torch_stream():
+            ref = ways["sdpa"]().transpose(1, 2)
+            for way, fn in ways.items():
+                slow = way == "tvm_unfused"
+                reps, inner = (3, 1) if slow and big else (5, 3) if slow else (10, 20)
+                try:
+                    call = _time_calls(fn, torch, reps=reps, inner=inner)
+                    kern = _kernel_time(fn, torch, calls=1 if slow else 5)
+                    out = fn()
+                    got = torch.from_dlpack(out) if way != "sdpa" else out.transpose(1, 2)
+                    err = float((got.float() - ref.float()).abs().max())
+                    row[way] = {
+                        "call_s": call,
+                        "kernel_s": kern,
+                        "call_tflops": row["flops"] / call / 1e12,
+                        "kernel_tflops": row["flops"] / kern / 1e12 if kern else None,
+                        "max_abs_err_vs_sdpa": err,
+                    }
+                except Exception as exc:
+                    row[way] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            best: tuple[float, str] | None = None
+            for backend in (
+                SDPBackend.FLASH_ATTENTION,
+                SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.CUDNN_ATTENTION,
+            ):
+                try:
+                    with sdpa_kernel([backend]):
+                        t = _time_calls(sdpa, torch, reps=10, inner=20)
+                        k = _kernel_time(sdpa, torch)
+                    if best is None or k < best[0]:
+                        best = (k, backend.name)
+                        row["sdpa_best"] = {
+                            "backend": backend.name,
+                            "call_s": t,
+                            "kernel_s": k,
+                            "call_tflops": row["flops"] / t / 1e12,
+                            "kernel_tflops": row["flops"] / k / 1e12,
+                        }
+                except Exception as exc:
+                    row.setdefault("sdpa_backend_errors", {})[backend.name] = str(exc)[:200]
+        for way in ("stackfuse", "stackfuse_sm80", "tvm_unfused"):
+            ours = row.get(way, {})
+            if "kernel_s" in ours and "sdpa_best" in row:
+                ours["kernel_ratio_vs_sdpa_best"] = row["sdpa_best"]["kernel_s"] / ours["kernel_s"]
+                ours["call_ratio_vs_sdpa"] = row["sdpa"]["call_s"] / ours["call_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.attention_bench run <libs>",
+        "note": "ratio > 1 means faster than the peer; kernel time from torch.profiler (CUPTI)",
+        "rows": rows,
+    }
+    (out_dir / "attention_bench.json").write_text(json.dumps(doc, indent=2))
+    (out_dir / "attention_bench.md").write_text(to_markdown(doc))
+    print(to_markdown(doc))
+    return doc
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# Stacked attention on {doc['device']} ({doc['date']})",
+        "",
+        "Kernel TFLOP/s (profiler) / call latency in us; ratio = SDPA-best kernel time / ours.",
+        "",
+        "| shape | stackfuse | stackfuse (SM80) | TVM unfused | SDPA default | SDPA best | "
+        "ratio vs SDPA best |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+
+        def cell(way: str, r: dict[str, Any] = r) -> str:
+            x = r.get(way, {})
+            if "error" in x or not x:
+                return "error"
+            kt = x.get("kernel_tflops")
+            return f"{kt:.1f} / {x['call_s'] * 1e6:.1f}us" if kt else f"- / {x['call_s'] * 1e6:.1f}"
+
+        best = r.get("sdpa_best", {})
+        ratio = r.get("stackfuse", {}).get("kernel_ratio_vs_sdpa_best")
+        lines.append(
+            f"| {r['shape']} | {cell('stackfuse')} | {cell('stackfuse_sm80')} | "
+            f"{cell('tvm_unfused')} | {cell('sdpa')} | {cell('sdpa_best')} "
+            f"({best.get('backend', '?')}) | {ratio:.2f}x |"
+            if ratio
+            else f"| {r['shape']} | {cell('stackfuse')} | {cell('stackfuse_sm80')} | "
+            f"{cell('tvm_unfused')} | {cell('sdpa')} | {cell('sdpa_best')} | - |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    cmd, out = argv[0], Path(argv[1])
+    names = argv[2:] or None
+    if cmd == "build":
+        build(out, names)
+    else:
+        run(out, names)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

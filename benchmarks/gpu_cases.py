@@ -1,0 +1,321 @@
+"""Numerics cases for the GPU: build libraries here, check them on an H200 against PyTorch.
+
+Two halves, so a GPU machine with only a runtime TVM can run the check:
+
+    python -m benchmarks.gpu_cases build OUT_DIR      # here: full TVM + nvcc, no GPU needed
+    python -m benchmarks.gpu_cases check OUT_DIR      # there: runtime TVM + torch + a GPU
+
+The reference is independent of our kernels: q, k and v are cut out of the stacked tensor by
+PyTorch, and attention is computed in float32 (float64 on CPU for small cases) by plain matmul
+and softmax. ``tests/gpu/test_numerics.py`` runs the same cases under pytest where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# relative error ||out - ref|| / ||ref|| allowed per dtype (fp32 inputs: CUTLASS uses 3xTF32)
+TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-3}
+
+
+@dataclass
+class Case:
+    name: str
+    kind: str  # "stacked" | "plain"
+    b: int | str
+    s: int
+    n: int
+    h: int
+    h_v: int | None = None
+    module: dict[str, Any] = field(default_factory=dict)  # extra builder kwargs
+    run_batch: int | None = None  # batch to run with when b is symbolic
+    s_kv: int | None = None  # plain only
+    expect: str = "stacked"  # what the report must say for the site: stacked | plain
+
+    @property
+    def hv(self) -> int:
+        return self.h if self.h_v is None else self.h_v
+
+
+CASES: list[Case] = [
+    # apache/tvm test_codegen_cutlass.py stacked parametrizations (split: fp16, slice: fp32)
+    Case("split_fp16_hv32", "stacked", 4, 8, 32, 64, 32),
+    Case(
+        "split_fp16_bias_scale",
+        "stacked",
+        4,
+        8,
+        32,
+        64,
+        32,
+        {"bias_shape": (4, 32, 8, 8), "scale": 0.5},
+    ),
+    Case("split_fp16_single_shape", "stacked", 4, 8, 32, 64, 64, {"single_shape": True}),
+    Case(
+        "slice_fp32_hv32", "stacked", 4, 8, 32, 64, 32, {"op": "strided_slice", "dtype": "float32"}
+    ),
+    Case(
+        "slice_fp32_bias_scale",
+        "stacked",
+        4,
+        8,
+        32,
+        64,
+        32,
+        {"op": "strided_slice", "dtype": "float32", "bias_shape": (4, 32, 8, 8), "scale": 0.5},
+    ),
+    Case(
+        "slice_fp32_single_shape",
+        "stacked",
+        4,
+        8,
+        32,
+        64,
+        64,
+        {"op": "strided_slice", "dtype": "float32", "single_shape": True},
+    ),
+    # beyond upstream
+    Case("split_bf16", "stacked", 2, 128, 8, 64, 64, {"dtype": "bfloat16"}),
+    Case("split_fp16_causal_topleft", "stacked", 2, 128, 8, 64, 64, {"causal": "TopLeft"}),
+    Case("split_fp16_causal_bottomright", "stacked", 2, 96, 8, 128, 128, {"causal": "BottomRight"}),
+    Case("split_fp16_broadcast_bias", "stacked", 2, 64, 4, 64, 64, {"bias_shape": (1, 4, 1, 64)}),
+    Case("split_fp16_hv256_workspace", "stacked", 2, 64, 4, 128, 256),
+    Case("split_fp16_symbolic_batch", "stacked", "b", 64, 8, 64, 64, run_batch=3),
+    Case(
+        "slice_fp16_order_kqv",
+        "stacked",
+        2,
+        64,
+        8,
+        64,
+        64,
+        {"op": "strided_slice", "slice_order": "kqv"},
+    ),
+    Case("split_fp16_unaligned_h36", "stacked", 2, 32, 4, 36, 36),
+    Case("split_fp16_epilogue", "stacked", 2, 64, 8, 64, 64, {"epilogue": True}),
+    Case(
+        "split_fp16_leak_plain_fallback",
+        "stacked",
+        2,
+        64,
+        8,
+        64,
+        64,
+        {"leak": True},
+        expect="plain",
+    ),
+    Case(
+        "plain_fp16_causal_bottomright",
+        "plain",
+        2,
+        16,
+        8,
+        64,
+        64,
+        {"causal": "BottomRight"},
+        s_kv=24,
+        expect="plain",
+    ),
+    Case(
+        "plain_fp16_bias",
+        "plain",
+        2,
+        32,
+        4,
+        64,
+        32,
+        {"bias_shape": (2, 4, 32, 48)},
+        s_kv=48,
+        expect="plain",
+    ),
+    # benchmark shapes, checked too
+    Case("bert_base_fp16", "stacked", 32, 128, 12, 64, 64),
+    Case("b8_s2048_n16_h128_fp16", "stacked", 8, 2048, 16, 128, 128),
+]
+
+
+# --------------------------------------------------------------------------------------------
+# build (needs the full toolchain; no GPU)
+# --------------------------------------------------------------------------------------------
+def module_for(case: Case) -> Any:
+    from tests.models import attention_module, stacked_attention_module
+
+    if case.kind == "plain":
+        return attention_module(
+            case.b, case.s, case.s_kv or case.s, case.n, case.h, case.hv, **case.module
+        )  # type: ignore[arg-type]
+    return stacked_attention_module(case.b, case.s, case.n, case.h, case.hv, **case.module)
+
+
+def build(out_dir: Path, names: list[str] | None = None, **opts: Any) -> None:
+    from service.settings import get_settings
+    from service.spec import CompileOptions, Target
+    from tests.models import to_json
+    from worker.pipeline import compile_module
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for case in CASES:
+        if names and case.name not in names:
+            continue
+        t0 = time.monotonic()
+        work = out_dir / case.name
+        res = compile_module(
+            to_json(module_for(case)),
+            target=Target(arch="sm_90"),
+            options=CompileOptions(**opts),
+            out_dir=work,
+            settings=get_settings(),
+        )
+        summary = res.report.summary
+        got = "stacked" if summary.fused_stacked else ("plain" if summary.fused_plain else "none")
+        if got != case.expect:
+            raise SystemExit(f"{case.name}: report says {got}, expected {case.expect}")
+        (work / "case.json").write_text(json.dumps(asdict(case)))
+        print(f"built {case.name} in {time.monotonic() - t0:.1f}s ({got})", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# check (GPU: runtime TVM + torch)
+# --------------------------------------------------------------------------------------------
+def reference(case: Case, inputs: list[Any]) -> list[Any]:
+    """Attention by plain PyTorch ops in float32 (independent of any fused kernel)."""
+    import torch
+
+    m = case.module
+    h, hv, n = case.h, case.hv, case.n
+    dtype_out = inputs[0].dtype
+    if case.kind == "stacked":
+        qkv = inputs[0].float()
+        widths = {"q": n * h, "k": n * h, "v": n * hv}
+        order = m.get("slice_order", "qkv")
+        begin, pos = {}, 0
+        for role in order:
+            begin[role] = pos
+            pos += widths[role]
+        bsz, s = qkv.shape[0], qkv.shape[1]
+        q = qkv[:, :, begin["q"] : begin["q"] + widths["q"]].reshape(bsz, s, n, h)
+        k = qkv[:, :, begin["k"] : begin["k"] + widths["k"]].reshape(bsz, s, n, h)
+        v = qkv[:, :, begin["v"] : begin["v"] + widths["v"]].reshape(bsz, s, n, hv)
+        bias = inputs[1].float() if len(inputs) > 1 else None
+    else:
+        q, k, v = (t.float() for t in inputs[:3])
+        bias = inputs[3].float() if len(inputs) > 3 else None
+    scale = m.get("scale") or 1.0 / math.sqrt(h)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # B N S H
+    score = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if bias is not None:
+        score = score + bias
+    causal = m.get("causal")
+    if causal:
+        sq, skv = score.shape[-2], score.shape[-1]
+        i = torch.arange(sq, device=score.device)[:, None]
+        j = torch.arange(skv, device=score.device)[None, :]
+        offset = 0 if causal == "TopLeft" else skv - sq
+        score = score.masked_fill(j > i + offset, float("-inf"))
+    out = torch.matmul(torch.softmax(score, dim=-1), vt).transpose(1, 2).to(dtype_out)
+    if m.get("epilogue"):
+        out = out + out
+    if m.get("leak"):
+        return [out, q.to(dtype_out)]
+    return [out]
+
+
+def _inputs(case: Case, torch: Any, dev: str) -> list[Any]:
+    dt = getattr(torch, case.module.get("dtype", "float16"))
+    b = case.run_batch if isinstance(case.b, str) else case.b
+    g = torch.Generator(device=dev).manual_seed(hash(case.name) % 2**31)
+
+    def rnd(*shape: int) -> Any:
+        return (torch.randn(*shape, generator=g, device=dev) * 0.5).to(dt)
+
+    if case.kind == "stacked":
+        width = 2 * case.n * case.h + case.n * case.hv
+        out = [rnd(b, case.s, width)]
+    else:
+        skv = case.s_kv or case.s
+        out = [
+            rnd(b, case.s, case.n, case.h),
+            rnd(b, skv, case.n, case.h),
+            rnd(b, skv, case.n, case.hv),
+        ]
+    bias_shape = case.module.get("bias_shape")
+    if bias_shape:
+        out.append(rnd(*[b if d == "b" else d for d in bias_shape]))
+    return out
+
+
+def check(out_dir: Path, names: list[str] | None = None) -> list[dict[str, Any]]:
+    import torch
+
+    from worker.toolchain import import_tvm
+
+    tvm = import_tvm()
+    import tvm_ffi
+    from tvm.runtime.vm import VirtualMachine
+
+    dev = tvm.cuda(0)
+    results = []
+    for case_dir in sorted(p for p in out_dir.iterdir() if (p / "case.json").exists()):
+        case = Case(**json.loads((case_dir / "case.json").read_text()))
+        if names and case.name not in names:
+            continue
+        row: dict[str, Any] = {"case": case.name, "dtype": case.module.get("dtype", "float16")}
+        try:
+            vm = VirtualMachine(tvm.runtime.load_module(str(case_dir / "model.so")), dev)
+            inputs = _inputs(case, torch, "cuda")
+            with tvm_ffi.use_torch_stream():
+                got = vm["main"](*[tvm.runtime.from_dlpack(t) for t in inputs])
+            torch.cuda.synchronize()
+            got_list = [got] if hasattr(got, "shape") else list(got)
+            want = reference(case, inputs)
+            worst = 0.0
+            worst_abs = 0.0
+            for g_t, w_t in zip(got_list, want, strict=True):
+                g_torch = torch.from_dlpack(g_t).float()
+                w_f = w_t.float()
+                if not torch.isfinite(g_torch).all():
+                    worst = float("inf")
+                    continue
+                worst = max(worst, float((g_torch - w_f).norm() / w_f.norm().clamp_min(1e-30)))
+                worst_abs = max(worst_abs, float((g_torch - w_f).abs().max()))
+            tol = TOLERANCE[row["dtype"]]
+            row.update(rel_error=worst, max_abs_error=worst_abs, tolerance=tol, passed=worst <= tol)
+        except Exception as exc:  # report every case, including crashes
+            row.update(passed=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    cmd, out = argv[0], Path(argv[1])
+    names = argv[2:] or None
+    if cmd == "build":
+        build(out, names)
+        return 0
+    results = check(out, names)
+    import torch
+
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "command": "python -m benchmarks.gpu_cases check <cases>",
+        "reference": "PyTorch float32 matmul/softmax on q/k/v cut from the stacked tensor",
+        "results": results,
+        "passed": sum(r.get("passed", False) for r in results),
+        "total": len(results),
+    }
+    dest = Path(argv[1]) / "numerics.json"
+    dest.write_text(json.dumps(doc, indent=2))
+    print(f"{doc['passed']}/{doc['total']} passed")
+    return 0 if doc["passed"] == doc["total"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

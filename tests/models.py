@@ -1,0 +1,162 @@
+"""Relax modules for tests and benchmarks, built with TVM's IRBuilder (trusted local code).
+
+`stacked_attention_module` follows apache/tvm's test_codegen_cutlass.py
+(`get_relax_stacked_attention_module`), extended with causal masks, dtypes, a symbolic batch,
+slice orders and the knobs the negative checks need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from worker.toolchain import import_tvm
+
+tvm = import_tvm()
+
+from tvm.script import relax as R  # noqa: E402
+from tvm.script import tirx as T  # noqa: E402
+from tvm.script.ir_builder import IRBuilder  # noqa: E402
+from tvm.script.ir_builder import relax as rb  # noqa: E402
+
+
+def stacked_attention_module(
+    b: int | str,
+    s: int,
+    n: int,
+    h: int,
+    h_v: int | None = None,
+    *,
+    op: str = "split",
+    dtype: str = "float16",
+    bias_shape: Sequence[int | str] | None = None,
+    causal: str | None = None,
+    scale: float | None = None,
+    single_shape: bool = False,
+    split_axis: int = 2,
+    slice_order: str = "qkv",
+    slice_stride: int = 1,
+    leak: bool = False,
+    epilogue: bool = False,
+    n_kv: int | None = None,
+    extra_cols: int = 0,
+) -> Any:
+    """``qkv[B, S, N*H + Nkv*H + Nkv*H_v] -> split|strided_slice -> reshape x3 -> attention``.
+
+    ``b`` may be a string: a symbolic batch. ``leak`` also returns the q reshape (an
+    intermediate used outside the pattern); ``epilogue`` adds an op after attention.
+    """
+    h_v = h if h_v is None else h_v
+    n_kv = n if n_kv is None else n_kv
+    widths = {"q": n * h, "k": n_kv * h, "v": n_kv * h_v}
+    total = sum(widths.values()) + extra_cols
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        bdim = tvm.tirx.Var(b, "int64") if isinstance(b, str) else b
+        qkv = R.arg("qkv", R.Tensor((bdim, s, total), dtype))
+        bias = (
+            R.arg("bias", R.Tensor(tuple(bdim if d == "b" else d for d in bias_shape), dtype))
+            if bias_shape
+            else None
+        )
+        qk_shape: Any = [bdim, s, n, h]
+        kk_shape: Any = [bdim, s, n_kv, h]
+        v_shape: Any = [bdim, s, n_kv, h_v]
+        if single_shape:
+            qk_shape = kk_shape = v_shape = R.shape([bdim, s, n, h])
+        with R.dataflow() as frame:
+            if op == "split":
+                parts = R.emit(
+                    R.split(qkv, [widths["q"], widths["q"] + widths["k"]], axis=split_axis)
+                )
+                q = R.emit(R.reshape(parts[0], qk_shape))
+                k = R.emit(R.reshape(parts[1], kk_shape))
+                v = R.emit(R.reshape(parts[2], v_shape))
+            else:
+                begin = {}
+                pos = 0
+                for role in slice_order:
+                    begin[role] = pos
+                    pos += widths[role]
+
+                def sl(role: str) -> Any:
+                    return R.strided_slice(
+                        qkv, [2], [begin[role]], [begin[role] + widths[role]], [slice_stride]
+                    )
+
+                q = R.emit(R.reshape(sl("q"), qk_shape))
+                k = R.emit(R.reshape(sl("k"), kk_shape))
+                v = R.emit(R.reshape(sl("v"), v_shape))
+            scale_imm = T.FloatImm("float32", scale) if scale is not None else None
+            out = R.emit(R.nn.attention(q, k, v, bias, scale_imm, causal_mask=causal))
+            if epilogue:
+                out = R.emit(R.add(out, out))
+            if leak:
+                gv = R.emit(R.tuple(out, q))
+                R.output(gv)
+            else:
+                R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def attention_module(
+    b: int,
+    s: int,
+    s_kv: int,
+    n: int,
+    h: int,
+    h_v: int | None = None,
+    *,
+    dtype: str = "float16",
+    bias_shape: Sequence[int] | None = None,
+    causal: str | None = None,
+    n_kv: int | None = None,
+) -> Any:
+    """Plain ``R.nn.attention(q, k, v[, bias])`` on separate tensors."""
+    h_v = h if h_v is None else h_v
+    n_kv = n if n_kv is None else n_kv
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((b, s, n, h), dtype))
+        k = R.arg("k", R.Tensor((b, s_kv, n_kv, h), dtype))
+        v = R.arg("v", R.Tensor((b, s_kv, n_kv, h_v), dtype))
+        bias = R.arg("bias", R.Tensor(tuple(bias_shape), dtype)) if bias_shape else None
+        with R.dataflow() as frame:
+            out = R.emit(R.nn.attention(q, k, v, bias, causal_mask=causal))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def to_json(mod: Any) -> str:
+    return tvm.ir.save_json(mod)
+
+
+def custom_attention_module(
+    qkv_shape: Sequence[int],
+    body: Any,
+    *,
+    dtype: str = "float16",
+    causal: str | None = None,
+    scale: float | None = None,
+    window_size: int | None = None,
+) -> Any:
+    """``qkv -> body(qkv) = (q, k, v) -> attention``: negative cases build odd q/k/v with it.
+
+    ``body`` gets the qkv var and emits with ``R.emit``; it returns q, k, v of rank 4.
+    """
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        qkv = R.arg("qkv", R.Tensor(tuple(qkv_shape), dtype))
+        with R.dataflow() as frame:
+            q, k, v = body(qkv)
+            scale_imm = T.FloatImm("float32", scale) if scale is not None else None
+            out = R.emit(
+                R.nn.attention(
+                    q, k, v, None, scale_imm, causal_mask=causal, window_size=window_size
+                )
+            )
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})

@@ -1,0 +1,899 @@
+"""Patterns, checks with reasons, and the report entries they produce.
+
+Every ``R.nn.attention`` call in the module is a *site*. Before matching, each site's call is
+tagged with a span naming it (spans survive ``FuseOpsByPattern``), so a fused function can be
+traced back to the site it came from. Patterns are tried in :data:`PATTERN_ORDER`: stacked
+first (the #14608 review asked whether order matters; it does: TVM tries earlier entries first,
+and plain attention would otherwise claim the call and leave split/reshape kernels behind).
+
+Each check is a named predicate with an expected and an actual value and a sentence a person can
+act on. A check that fails records a :class:`~worker.report.CheckFailure`; plain attention then
+still offloads the attention alone where it can, and the report shows both facts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.spec import CompileOptions
+from worker.toolchain import import_tvm
+
+import_tvm()  # before any `import tvm`: it decides whether CUDA kernels compile ahead of time
+
+import tvm  # noqa: E402
+import tvm_ffi  # noqa: E402
+from tvm import ir, relax  # noqa: E402
+from tvm.relax.backend.patterns import (  # noqa: E402
+    make_attention_pattern,
+    make_stacked_attention_pattern,
+)
+from tvm.relax.dpl.pattern import DFPattern  # noqa: E402
+
+from worker.attention import (  # noqa: E402
+    DTYPE_BITS,
+    DYNAMIC,
+    AttentionSpec,
+    BiasSpec,
+    TensorAccess,
+)
+from worker.report import CheckFailure, Layout, Match, Where  # noqa: E402
+
+CODEGEN = "cutlass"
+SITE_PREFIX = "stackfuse.site."
+ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
+
+#: kernel limits of the SM80-class CUTLASS fMHA (kernel_forward.h) that the checks enforce
+MAX_HEAD_DIM = 256
+UNALIGNED_MIN_ELEMS = 4  # GemmType::kMinimumAlignment on SM80 tensor ops
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32")
+
+
+# --------------------------------------------------------------------------------------------
+# patterns
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PatternDef:
+    name: str
+    kind: str  # "stacked" | "plain"
+    variant: str  # "split" | "strided_slice" | "none"
+    bias: bool
+    pattern: DFPattern
+    annotations: dict[str, DFPattern]
+
+
+def _pattern_defs() -> list[PatternDef]:
+    defs: list[PatternDef] = []
+    for variant in ("split", "strided_slice"):
+        for bias in (True, False):
+            pat, ann = make_stacked_attention_pattern(start_op=variant, with_bias=bias)
+            name = f"{CODEGEN}.stacked_attention.{variant}" + ("_bias" if bias else "")
+            defs.append(PatternDef(name, "stacked", variant, bias, pat, dict(ann)))
+    for bias in (True, False):
+        pat, ann = make_attention_pattern(with_bias=bias)
+        name = f"{CODEGEN}.attention" + ("_bias" if bias else "")
+        defs.append(PatternDef(name, "plain", "none", bias, pat, {**ann, "attention": pat}))
+    return defs
+
+
+PATTERNS: dict[str, PatternDef] = {d.name: d for d in _pattern_defs()}
+#: the order patterns are tried in; stacked before plain (tested in test_partition)
+PATTERN_ORDER: tuple[str, ...] = tuple(PATTERNS)
+
+
+# --------------------------------------------------------------------------------------------
+# small IR helpers
+# --------------------------------------------------------------------------------------------
+def dtype_of(expr: relax.Expr) -> str:
+    return str(expr.ty.dtype).removeprefix("T.")
+
+
+def shape_of(expr: relax.Expr) -> list[Any] | None:
+    ty = expr.ty
+    shape = getattr(ty, "shape", None)
+    if shape is None or not isinstance(shape, relax.ShapeExpr):
+        return None
+    return list(shape.values)
+
+
+def _is_int_imm(d: Any) -> bool:
+    return isinstance(d, int) or (type(d).__name__ == "IntImm" and isinstance(d.value, int))
+
+
+def dim_value(d: Any) -> int | str:
+    """A static extent as int; anything symbolic as :data:`DYNAMIC`."""
+    if _is_int_imm(d):
+        return int(d.value)
+    return DYNAMIC
+
+
+def dim_label(d: Any) -> int | str:
+    """A dim for the report: int, or the client's expression text (report only)."""
+    if _is_int_imm(d):
+        return int(d.value)
+    return str(d)[:64]
+
+
+def const_ints(expr: Any) -> list[int] | None:
+    """Values of a tuple/shape of integer constants, or None if any is not constant."""
+    if isinstance(expr, relax.ShapeExpr):
+        items = list(expr.values)
+    elif hasattr(expr, "fields"):
+        items = list(expr.fields)
+    elif isinstance(expr, list | tuple | tvm_ffi.Array):
+        items = list(expr)
+    else:
+        return None
+    out: list[int] = []
+    for it in items:
+        while not isinstance(it, int) and hasattr(it, "value"):
+            it = it.value
+        if not isinstance(it, int) or isinstance(it, bool):
+            return None
+        out.append(it)
+    return out
+
+
+_analyzer = tvm.sym.Analyzer()
+
+
+def same_dim(a: Any, b: Any) -> bool:
+    if _is_int_imm(a) and _is_int_imm(b):
+        return int(a.value) == int(b.value)
+    return bool(_analyzer.can_prove(tvm.tirx.EQ(a, b)))
+
+
+def name_of(var: Any) -> str:
+    """A variable's name as the client wrote it, cut short (report text only)."""
+    name = getattr(var, "name_hint", None)
+    if name is None:
+        name = getattr(var, "name", "?")
+    return str(name)[:128]
+
+
+def attention_attrs(call: relax.Call) -> tuple[float | None, str, int | None]:
+    attrs = call.attrs
+    scale = attrs.scale
+    scale_v = float(scale.value) if scale is not None else None
+    causal = attrs.causal_mask if attrs.causal_mask is not None else "none"
+    window = attrs.window_size
+    window_v = int(window.value) if window is not None else None
+    return scale_v, str(causal), window_v
+
+
+# --------------------------------------------------------------------------------------------
+# analysis: from matched expressions to an AttentionSpec, with named checks
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Failure:
+    check: str
+    expected: str
+    actual: str
+    message: str
+
+
+@dataclass
+class Analysis:
+    """Outcome of checking one candidate against one pattern."""
+
+    pattern: PatternDef
+    failures: list[Failure] = field(default_factory=list)
+    spec: AttentionSpec | None = None
+    shapes: dict[str, list[int | str]] = field(default_factory=dict)
+    order: str = "qkv"
+
+    def fail(self, check: str, expected: object, actual: object, message: str) -> None:
+        self.failures.append(Failure(check, str(expected), str(actual), message))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and self.spec is not None
+
+
+def _alignment_elems(dtype: str) -> int:
+    return 128 // DTYPE_BITS[dtype]
+
+
+def _stacked_blocks(
+    an: Analysis, ann: dict[str, relax.Expr], width: Any
+) -> dict[str, tuple[int, int]] | None:
+    """(begin, end) column of q, k, v within the stacked row, from the split or the slices."""
+    c = dim_value(width)
+    if "split" in ann:
+        split = ann["split"]
+        axis = int(split.attrs.axis)
+        ndim = split.args[0].ty.ndim
+        if axis < 0:
+            axis += ndim
+        if axis != 2:
+            an.fail(
+                "split_axis",
+                2,
+                axis,
+                f"split axis is {axis}; stacked fusion needs axis 2 (the feature axis of "
+                "[batch, seq, q|k|v])",
+            )
+            return None
+        ios = split.attrs.indices_or_sections
+        if _is_int_imm(ios):
+            n = int(ios if isinstance(ios, int) else ios.value)
+            if n != 3:
+                an.fail(
+                    "split_sections",
+                    3,
+                    n,
+                    f"split makes {n} equal sections; stacked fusion needs exactly 3 (q, k, v)",
+                )
+                return None
+            if not isinstance(c, int):
+                an.fail(
+                    "static_feature_dim",
+                    "static",
+                    "symbolic",
+                    "the stacked feature dim is symbolic; stacked fusion needs it static",
+                )
+                return None
+            w = c // 3
+            return {"q": (0, w), "k": (w, 2 * w), "v": (2 * w, 3 * w)}
+        idx = const_ints(ios)
+        if idx is None or len(idx) != 2:
+            an.fail(
+                "split_sections",
+                "2 split indices (3 sections)",
+                "symbolic" if idx is None else f"{len(idx)} indices",
+                "split must cut the stacked tensor into exactly 3 static sections (q, k, v)",
+            )
+            return None
+        if not isinstance(c, int):
+            an.fail(
+                "static_feature_dim",
+                "static",
+                "symbolic",
+                "the stacked feature dim is symbolic; stacked fusion needs it static",
+            )
+            return None
+        return {"q": (0, idx[0]), "k": (idx[0], idx[1]), "v": (idx[1], c)}
+
+    blocks: dict[str, tuple[int, int]] = {}
+    for role, name in (("q", "query"), ("k", "key"), ("v", "value")):
+        sl = ann[f"strided_slice_{name}"]
+        axes = const_ints(sl.args[1])
+        begins = const_ints(sl.args[2])
+        ends = const_ints(sl.args[3])
+        strides = const_ints(sl.args[4]) if len(sl.args) > 4 else [1]
+        if axes is None or begins is None or ends is None or strides is None:
+            an.fail(
+                "slice_static",
+                "constant axes/begin/end/strides",
+                "symbolic",
+                f"the {role} strided_slice has non-constant bounds; stacked fusion needs "
+                "constant ones",
+            )
+            return None
+        if axes != [2]:
+            an.fail(
+                "slice_axis",
+                [2],
+                axes,
+                f"the {role} strided_slice is on axes {axes}; stacked fusion needs axis 2 only",
+            )
+            return None
+        if strides != [1]:
+            an.fail(
+                "slice_stride",
+                [1],
+                strides,
+                f"the {role} strided_slice has stride {strides[0]}; stacked fusion needs "
+                "stride 1 (contiguous columns)",
+            )
+            return None
+        b, e = begins[0], ends[0]
+        if not isinstance(c, int):
+            an.fail(
+                "static_feature_dim",
+                "static",
+                "symbolic",
+                "the stacked feature dim is symbolic; stacked fusion needs it static",
+            )
+            return None
+        if not (0 <= b < e <= c):
+            an.fail(
+                "slice_bounds",
+                f"0 <= begin < end <= {c}",
+                f"begin={b}, end={e}",
+                f"the {role} strided_slice [{b}:{e}] is not a non-empty range inside the "
+                f"stacked feature dim {c} (negative or clamped bounds are not fused)",
+            )
+            return None
+        blocks[role] = (b, e)
+    return blocks
+
+
+def _check_common(
+    an: Analysis,
+    call: relax.Call,
+    q: relax.Expr,
+    k: relax.Expr,
+    v: relax.Expr,
+    bias: relax.Expr | None,
+) -> dict[str, Any] | None:
+    """Checks shared by stacked and plain attention. Returns the facts codegen needs."""
+    dtypes = {dtype_of(e) for e in (q, k, v, call) + ((bias,) if bias is not None else ())}
+    dtype = dtype_of(call)
+    if len(dtypes) != 1 or dtype not in SUPPORTED_DTYPES:
+        an.fail(
+            "dtype",
+            " / ".join(SUPPORTED_DTYPES) + " (all operands alike)",
+            ", ".join(sorted(dtypes)),
+            f"attention in {', '.join(sorted(dtypes))}; the CUTLASS kernel takes float16, "
+            "bfloat16 or float32 with q, k, v, bias and output of one dtype",
+        )
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    if qs is None or ks is None or vs is None or not (len(qs) == len(ks) == len(vs) == 4):
+        an.fail(
+            "qkv_rank",
+            "[B, S, N, H] for q, k and v",
+            "unknown or not rank 4",
+            "q, k and v must have known rank-4 shapes [batch, seq, heads, head_dim]",
+        )
+        return None
+    b, s, nq, h = qs
+    _, skv, nkv, hk = ks
+    _, skv_v, nv, hv = vs
+    for label, d in (("num_heads", nq), ("num_kv_heads", nkv), ("head_dim", h), ("head_dim_v", hv)):
+        if not isinstance(dim_value(d), int):
+            an.fail(
+                "static_head_dims",
+                "static",
+                f"{label} symbolic",
+                f"{label} is symbolic; kernels are specialised on head counts and head dims",
+            )
+            return None
+    nq_i, nkv_i, h_i, hk_i, hv_i = (int(x) for x in (nq, nkv, h, hk, hv))
+    if h_i != hk_i:
+        an.fail(
+            "qk_head_dim",
+            h_i,
+            hk_i,
+            f"q head dim {h_i} differs from k head dim {hk_i}; they must match",
+        )
+    if nkv_i != int(nv):
+        an.fail("kv_heads", nkv_i, int(nv), "k and v must have the same number of heads")
+    if nq_i != nkv_i:
+        an.fail(
+            "num_heads",
+            f"num_kv_heads == num_q_heads ({nq_i})",
+            nkv_i,
+            f"{nq_i} query heads but {nkv_i} key/value heads (GQA/MQA); the SM80 CUTLASS "
+            "kernel needs equal head counts",
+        )
+    for label, hd in (("head_dim", h_i), ("head_dim_v", hv_i)):
+        if hd > MAX_HEAD_DIM:
+            an.fail(
+                "head_dim_max",
+                f"<= {MAX_HEAD_DIM}",
+                hd,
+                f"{label} {hd} exceeds the kernel's maximum of {MAX_HEAD_DIM}",
+            )
+    scale, causal, window = attention_attrs(call)
+    if window is not None:
+        an.fail(
+            "causal_mode",
+            "no window_size",
+            f"window_size={window}",
+            "sliding-window attention is not supported by the CUTLASS fMHA kernel",
+        )
+    if causal not in ("none", "TopLeft", "BottomRight"):
+        an.fail(
+            "causal_mode",
+            "none / TopLeft / BottomRight",
+            causal,
+            f"causal mask {causal!r} is not supported",
+        )
+    scale_f = scale if scale is not None else 1.0 / math.sqrt(h_i)
+    if not math.isfinite(scale_f) or scale_f == 0.0:
+        an.fail(
+            "scale",
+            "finite and non-zero",
+            scale_f,
+            "attention scale must be finite and non-zero (CUTLASS produces NaN for 0)",
+        )
+    bias_spec = None
+    if bias is not None:
+        bshape = shape_of(bias)
+        want = [b, nq, s, skv]
+        if bshape is None or len(bshape) != 4:
+            an.fail(
+                "bias_shape",
+                "rank 4 [B|1, N|1, S|1, S_kv]",
+                "unknown" if bshape is None else f"rank {len(bshape)}",
+                "the additive bias must be rank 4 and broadcastable to [batch, heads, seq, seq_kv]",
+            )
+        else:
+            bad = []
+            for i, (got, exp) in enumerate(zip(bshape, want, strict=True)):
+                one = isinstance(dim_value(got), int) and dim_value(got) == 1
+                if not (same_dim(got, exp) or (one and i < 3)):
+                    bad.append(i)
+            if bad:
+                an.fail(
+                    "bias_shape",
+                    f"broadcastable to {[dim_label(d) for d in want]}",
+                    [dim_label(d) for d in bshape],
+                    f"bias dims {bad} are neither 1 nor the attention's extent; the last dim "
+                    "must be seq_kv (one entry per key)",
+                )
+            else:
+                bias_spec = tuple(dim_value(d) for d in bshape)
+        if "bias" in an.shapes or bshape is not None:
+            an.shapes["bias"] = [dim_label(d) for d in bshape or []]
+    an.shapes.update(
+        q=[dim_label(d) for d in qs],
+        k=[dim_label(d) for d in ks],
+        v=[dim_label(d) for d in vs],
+        out=[dim_label(d) for d in (b, s, nq, hv)],
+    )
+    if an.failures:
+        return None
+    return {
+        "dtype": dtype,
+        "b": b,
+        "s": s,
+        "skv": skv,
+        "nq": nq_i,
+        "nkv": nkv_i,
+        "h": h_i,
+        "hv": hv_i,
+        "scale": scale_f,
+        "causal": causal,
+        "bias_shape": bias_spec,
+        "skv_v": skv_v,
+    }
+
+
+def _check_alignment(
+    an: Analysis,
+    dtype: str,
+    q: TensorAccess,
+    k: TensorAccess,
+    v: TensorAccess,
+    h: int,
+    hv: int,
+    bias_shape: tuple | None,
+) -> bool | None:
+    """True: the aligned kernel applies; False: the unaligned one; None: neither (failure)."""
+    full = _alignment_elems(dtype)
+    qk_vals = [q.offset, q.row_stride, q.head_stride, k.offset, k.row_stride, k.head_stride, h]
+    all_vals = [*qk_vals, v.offset, v.row_stride, v.head_stride, hv]
+    if bias_shape is not None and isinstance(bias_shape[3], int):
+        qk_vals.append(bias_shape[3])
+        all_vals.append(bias_shape[3])
+    if all(x % full == 0 for x in all_vals):
+        return True
+    if all(x % UNALIGNED_MIN_ELEMS == 0 for x in qk_vals):
+        return False
+    an.fail(
+        "head_dim_alignment",
+        f"multiples of {UNALIGNED_MIN_ELEMS} elements",
+        f"head_dim={h}, offsets={q.offset},{k.offset}, row stride={q.row_stride}",
+        f"q/k head dims, offsets and row strides must be multiples of {UNALIGNED_MIN_ELEMS} "
+        f"elements for the CUTLASS kernel (head_dim {h}, row stride {q.row_stride})",
+    )
+    return None
+
+
+def analyze(
+    pdef: PatternDef,
+    ann: dict[str, relax.Expr],
+    operand_index: Callable[[relax.Expr], int],
+    leaks: list[tuple[str, str]] | None = None,
+    params: list[relax.Var] | None = None,
+) -> Analysis:
+    """Check one candidate (``ann``: annotation name -> matched expression).
+
+    ``operand_index`` maps an input expression (the stacked tensor, q, k, v, the bias) to its
+    position among the kernel's arguments; at check time positions do not matter yet.
+    ``leaks`` lists (variable, role) of intermediates used outside the candidate. ``params``,
+    for a fused function, are its parameters: the kernel's arguments in order.
+    """
+    an = Analysis(pdef)
+    call = ann["attention"]
+    bias = ann.get("bias")
+    if leaks:
+        var, role = leaks[0]
+        an.fail(
+            "no_leak",
+            "q/k/v intermediates used only by attention",
+            f"'{var[:64]}' ({role}) used elsewhere",
+            f"'{var[:64]}' (the {role}) is also used outside the attention pattern; fusing "
+            "would drop it, so stacked fusion needs q/k/v intermediates used only by attention",
+        )
+    if pdef.kind == "stacked":
+        qkv = ann["stacked_qkv"]
+        q, k, v = call.args[0], call.args[1], call.args[2]
+        qkv_shape = shape_of(qkv)
+        nd = qkv.ty.ndim
+        an.shapes["qkv"] = [dim_label(d) for d in qkv_shape] if qkv_shape else []
+        if nd != 3 or qkv_shape is None:
+            an.fail(
+                "stacked_ndim",
+                3,
+                nd,
+                f"stacked tensor has rank {nd}; stacked fusion needs a rank-3 "
+                "[batch, seq, q|k|v features] tensor",
+            )
+            return an
+        blocks = _stacked_blocks(an, ann, qkv_shape[2])
+        facts = _check_common(an, call, q, k, v, bias)
+        if blocks is None or facts is None:
+            return an
+        bq, sq = qkv_shape[0], qkv_shape[1]
+        for role, t in (("q", q), ("k", k), ("v", v)):
+            ts = shape_of(t)
+            assert ts is not None
+            if not (same_dim(ts[0], bq) and same_dim(ts[1], sq)):
+                an.fail(
+                    "reshape_shape",
+                    f"[{dim_label(bq)}, {dim_label(sq)}, N, H]",
+                    [dim_label(d) for d in ts],
+                    f"the {role} reshape changes batch or sequence extents; stacked fusion "
+                    "needs reshape [B, S, C] -> [B, S, N, H] per block",
+                )
+        width = {r: e - b for r, (b, e) in blocks.items()}
+        need = {
+            "q": facts["nq"] * facts["h"],
+            "k": facts["nkv"] * facts["h"],
+            "v": facts["nkv"] * facts["hv"],
+        }
+        for role in ("q", "k", "v"):
+            if width[role] != need[role]:
+                an.fail(
+                    "reshape_shape",
+                    f"{role} block of {need[role]} columns",
+                    f"{width[role]} columns",
+                    f"the {role} block is {width[role]} columns wide but reshapes to "
+                    f"{need[role]}; slices and reshapes must agree",
+                )
+        if an.failures:
+            return an
+        row = int(dim_value(qkv_shape[2]))
+        src = operand_index(qkv)
+        acc = {
+            r: TensorAccess(src, blocks[r][0], row, facts["h"] if r != "v" else facts["hv"])
+            for r in ("q", "k", "v")
+        }
+        an.order = "".join(sorted("qkv", key=lambda r: blocks[r][0]))
+        seq_kv = facts["s"]
+    else:
+        q, k, v = call.args[0], call.args[1], call.args[2]
+        facts = _check_common(an, call, q, k, v, bias)
+        if facts is None:
+            return an
+        acc = {
+            "q": TensorAccess(operand_index(q), 0, facts["nq"] * facts["h"], facts["h"]),
+            "k": TensorAccess(operand_index(k), 0, facts["nkv"] * facts["h"], facts["h"]),
+            "v": TensorAccess(operand_index(v), 0, facts["nkv"] * facts["hv"], facts["hv"]),
+        }
+        seq_kv = facts["skv"]
+    aligned = _check_alignment(
+        an,
+        facts["dtype"],
+        acc["q"],
+        acc["k"],
+        acc["v"],
+        facts["h"],
+        facts["hv"],
+        facts["bias_shape"],
+    )
+    if aligned is None:
+        return an
+    inputs = [ann["stacked_qkv"]] if pdef.kind == "stacked" else [q, k, v]
+    if bias is not None:
+        inputs.append(bias)
+    shapes: tuple[tuple[int | str, ...] | None, ...]
+    if params is None:
+        shapes = tuple(tuple(dim_value(d) for d in (shape_of(e) or [])) for e in inputs)
+    else:
+        shapes = tuple(
+            tuple(dim_value(d) for d in (shape_of(p_) or []))
+            if isinstance(p_.ty, relax.TensorType)
+            else None
+            for p_ in params
+        )
+    an.spec = AttentionSpec(
+        dtype=facts["dtype"],
+        batch=dim_value(facts["b"]),
+        seq_q=dim_value(facts["s"]),
+        seq_kv=dim_value(seq_kv),
+        num_q_heads=facts["nq"],
+        num_kv_heads=facts["nkv"],
+        head_dim=facts["h"],
+        head_dim_v=facts["hv"],
+        scale=facts["scale"],
+        causal=facts["causal"],
+        q=acc["q"],
+        k=acc["k"],
+        v=acc["v"],
+        num_operands=len(shapes),
+        bias=BiasSpec(operand_index(bias), facts["bias_shape"]) if bias is not None else None,
+        packing="blocked" if pdef.kind == "stacked" else "separate",
+        operand_shapes=shapes,
+    )
+    return an
+
+
+# --------------------------------------------------------------------------------------------
+# sites
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Site:
+    id: str
+    where: Where
+
+
+def site_of(call: relax.Call) -> str | None:
+    span = call.span
+    if span is None:
+        return None
+    name = span.source_name.name
+    return name[len(SITE_PREFIX) :] if name.startswith(SITE_PREFIX) else None
+
+
+def _is_attention(expr: Any) -> bool:
+    return (
+        isinstance(expr, relax.Call)
+        and isinstance(expr.op, ir.Op)
+        and expr.op.name in ATTENTION_OPS
+    )
+
+
+def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
+    """Give every attention call a span ``stackfuse.site.<n>``; return the site table."""
+    sites: dict[str, Site] = {}
+    counter = [0]
+
+    @relax.expr_functor.mutator
+    class _Tagger(relax.PyExprMutator):  # type: ignore[misc]
+        def __init__(self, mod: tvm.IRModule, fname: str, names: dict[Any, str]) -> None:
+            super().__init__(mod)
+            self.fname = fname
+            self.names = names
+            self.local = 0
+
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            new = super().visit_call_(call)
+            if not _is_attention(new):
+                return new
+            sid = str(counter[0])
+            counter[0] += 1
+            binding = self.names.get(call, "?")
+            sites[sid] = Site(
+                sid,
+                Where(
+                    function=self.fname,
+                    site=f"{self.fname}/attention#{self.local}",
+                    binding=binding,
+                ),
+            )
+            self.local += 1
+            span = ir.Span(ir.SourceName(SITE_PREFIX + sid), 0, 0, 0, 0)
+            return relax.Call(new.op, new.args, new.attrs, new.ty_args, span)
+
+    out = mod
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function):
+            continue
+        names: dict[Any, str] = {}
+        for block in func.body.blocks:
+            for b in block.bindings:
+                if _is_attention(b.value):
+                    names[b.value] = name_of(b.var)
+        new = _Tagger(mod, gv.name_hint[:128], names).visit_expr(func)
+        out = out if new.same_as(func) else _replace(out, gv, new)
+    return out, sites
+
+
+def _replace(mod: tvm.IRModule, gv: ir.GlobalVar, func: relax.Function) -> tvm.IRModule:
+    mod = mod.shallow_copy() if hasattr(mod, "shallow_copy") else mod
+    mod[gv] = func
+    return mod
+
+
+def _where_for(sites: dict[str, Site], sid: str | None) -> Where:
+    if sid is not None and sid in sites:
+        return sites[sid].where
+    return Where(function="?", site="?", binding="?")
+
+
+# --------------------------------------------------------------------------------------------
+# partition
+# --------------------------------------------------------------------------------------------
+@dataclass
+class FusedSite:
+    """A codegen function made for one site, with the spec its kernel must implement."""
+
+    gvar: ir.GlobalVar
+    site: str
+    pattern: PatternDef
+    analysis: Analysis
+    bindings: list[str]
+
+
+@dataclass
+class PartitionResult:
+    mod: tvm.IRModule
+    sites: dict[str, Site]
+    fused: list[FusedSite]
+    failures: list[CheckFailure]
+
+    def match_entries(self) -> list[Match]:
+        out = []
+        for fs in self.fused:
+            spec = fs.analysis.spec
+            assert spec is not None
+            out.append(
+                Match(
+                    where=_where_for(self.sites, fs.site),
+                    pattern=fs.pattern.name,
+                    kind=fs.pattern.kind,  # type: ignore[arg-type]
+                    variant=fs.pattern.variant,  # type: ignore[arg-type]
+                    bias=fs.pattern.bias,
+                    causal=spec.causal,
+                    dtype=spec.dtype,
+                    shapes=fs.analysis.shapes,
+                    bindings=fs.bindings,
+                    scale=spec.scale,
+                    layout=layout_of(spec, fs.analysis.order),
+                )
+            )
+        return out
+
+
+def layout_of(spec: AttentionSpec, order: str = "qkv") -> Layout:
+    def batch(a: TensorAccess, seq: int | str) -> int | str:
+        return a.row_stride * seq if isinstance(seq, int) else f"{a.row_stride}*seq_len"
+
+    return Layout(
+        source="stacked" if spec.packing != "separate" else "separate",
+        q_offset=spec.q.offset,
+        k_offset=spec.k.offset,
+        v_offset=spec.v.offset,
+        row_stride={"q": spec.q.row_stride, "k": spec.k.row_stride, "v": spec.v.row_stride},
+        head_stride={"q": spec.q.head_stride, "k": spec.k.head_stride, "v": spec.v.head_stride},
+        batch_stride={
+            "q": batch(spec.q, spec.seq_q),
+            "k": batch(spec.k, spec.seq_kv),
+            "v": batch(spec.v, spec.seq_kv),
+        },
+        order=order,
+        packing=spec.packing,
+    )
+
+
+_ROLE_OF = {
+    "split": "split tuple",
+    "strided_slice_query": "q slice",
+    "strided_slice_key": "k slice",
+    "strided_slice_value": "v slice",
+}
+
+
+def _leaks(ctx: relax.transform.PatternCheckContext) -> list[tuple[str, str]]:
+    """Intermediates of the match that something outside the match also uses."""
+    inside = set(ctx.matched_bindings.keys())
+    out_var = ctx.value_to_bound_var[ctx.matched_expr]
+    roles: dict[Any, str] = {}
+    attention = ctx.annotated_expr["attention"]
+    for arg, role in zip(attention.args, ("q reshape", "k reshape", "v reshape"), strict=False):
+        roles[arg] = role
+    for name, expr in ((str(k), v) for k, v in ctx.annotated_expr.items()):
+        var = ctx.value_to_bound_var.get(expr) if expr in ctx.value_to_bound_var else None
+        if var is not None:
+            roles[var] = _ROLE_OF.get(name, name)
+    found = []
+    for var in inside:
+        if var.same_as(out_var):
+            continue
+        users = ctx.var_usages.get(var, [])
+        if not isinstance(var, relax.DataflowVar) or any(u not in inside for u in users):
+            role = roles.get(var, "intermediate")
+            found.append((name_of(var), role))
+    return sorted(found)
+
+
+def partition(mod: tvm.IRModule, options: CompileOptions) -> PartitionResult:
+    """Run the patterns over ``mod``: fused functions for sites that pass, failures for the rest."""
+    mod, sites = tag_sites(mod)
+    failures: dict[tuple[str, str, str], CheckFailure] = {}
+    covered: dict[tuple[str, str], list[str]] = {}
+    order = [
+        n
+        for n in PATTERN_ORDER
+        if (PATTERNS[n].kind == "stacked" and options.fuse_stacked)
+        or (PATTERNS[n].kind == "plain" and options.offload_plain)
+    ]
+
+    def make_check(pdef: PatternDef) -> Callable[[Any], bool]:
+        def check(ctx: relax.transform.PatternCheckContext) -> bool:
+            ann = {str(k): v for k, v in ctx.annotated_expr.items()}
+            an = analyze(pdef, ann, lambda e: 0, _leaks(ctx) if pdef.kind == "stacked" else None)
+            sid = site_of(ann["attention"])
+            for f in an.failures:
+                failures.setdefault(
+                    (sid or "?", pdef.name, f.check),
+                    CheckFailure(
+                        where=_where_for(sites, sid),
+                        pattern=pdef.name,
+                        check=f.check,
+                        expected=f.expected,
+                        actual=f.actual,
+                        message=f.message,
+                    ),
+                )
+            if an.ok:
+                covered[(sid or "?", pdef.name)] = sorted(name_of(v) for v in ctx.matched_bindings)
+            return an.ok
+
+        return check
+
+    pats = [
+        relax.transform.FusionPattern(
+            n, PATTERNS[n].pattern, PATTERNS[n].annotations, make_check(PATTERNS[n])
+        )
+        for n in order
+    ]
+    fused_mod = relax.transform.FuseOpsByPattern(pats, bind_constants=False, annotate_codegen=True)(
+        mod
+    )
+    fused = [
+        fs for fs in (_fused_site(gv, f) for gv, f in fused_mod.functions.items()) if fs is not None
+    ]
+    for fs in fused:
+        fs.bindings = covered.get((fs.site, fs.pattern.name), [])
+    fused.sort(key=lambda fs: int(fs.site) if fs.site.isdigit() else 1 << 30)
+    return PartitionResult(fused_mod, sites, fused, list(failures.values()))
+
+
+def _composite_of(outer: relax.Function) -> relax.Function | None:
+    found: list[relax.Function] = []
+
+    def visit(e: Any) -> None:
+        if isinstance(e, relax.Function) and e.attrs is not None and "Composite" in e.attrs:
+            found.append(e)
+
+    relax.analysis.post_order_visit(outer.body, visit)
+    return found[0] if found else None
+
+
+def _fused_site(gv: ir.GlobalVar, func: Any) -> FusedSite | None:
+    if not isinstance(func, relax.Function) or func.attrs is None:
+        return None
+    if func.attrs.get("Codegen") != CODEGEN:
+        return None
+    inner = _composite_of(func)
+    if inner is None:
+        return None
+    pdef = PATTERNS[str(inner.attrs["Composite"])]
+    var2val = relax.analysis.get_var2val(inner)
+    root = inner.body.body
+    if isinstance(root, relax.Var) and root in var2val:
+        root = var2val[root]
+    matched = pdef.pattern.extract_matched_expr(root, var2val)
+    if matched is None:
+        raise AssertionError(f"fused function {gv.name_hint} no longer matches {pdef.name}")
+    ann = {name: matched[p] for name, p in pdef.annotations.items() if p in matched}
+    params = list(inner.params)
+
+    def operand_index(e: relax.Expr) -> int:
+        for i, p in enumerate(params):
+            if p.same_as(e):
+                return i
+        raise AssertionError("kernel operand is not a parameter of the fused function")
+
+    an = analyze(pdef, ann, operand_index, params=params)
+    if not an.ok:
+        msgs = "; ".join(f.message for f in an.failures)
+        raise AssertionError(f"fused function {gv.name_hint} fails its checks: {msgs}")
+    return FusedSite(gv, site_of(ann["attention"]) or "?", pdef, an, [])

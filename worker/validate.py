@@ -1,0 +1,162 @@
+"""Run a built library once on the GPU against a reference, in a separate process.
+
+The reference is the same module compiled by TVM alone (no offload): an independent code path
+for attention (TVM's legalized softmax(QK^T)V) built from the same input. The child process
+gets no secrets (clean environment), a CPU-time and file-size limit and a wall-clock timeout;
+it loads both libraries, feeds both the same random inputs, and reports the largest error and
+each library's time. Without a GPU the report says so: nothing was validated.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from service.settings import Settings
+from service.spec import CompileOptions, Target
+from worker import sandbox
+from worker.report import Validation
+from worker.toolchain import has_gpu
+
+#: relative error ||out - ref|| / ||ref|| allowed per dtype
+TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}
+
+
+def signature(func: Any) -> list[dict[str, Any]]:
+    """Shapes ("?" for symbolic dims) and dtypes of a Relax function's tensor parameters."""
+    from worker.partition import dim_value, dtype_of, shape_of
+
+    out = []
+    for p in func.params:
+        shape = shape_of(p)
+        if shape is None:
+            raise ValueError("validation needs tensor parameters with known shapes")
+        out.append({"shape": [dim_value(d) for d in shape], "dtype": dtype_of(p)})
+    return out
+
+
+def maybe_validate(
+    library: Path,
+    payload: bytes,
+    fmt: str,
+    target: Target,
+    options: CompileOptions,
+    settings: Settings,
+    params: list[dict[str, Any]],
+) -> Validation:
+    if options.validate_on_gpu == "never" or not settings.validate_on_gpu:
+        return Validation(status="not_run", reason="validation disabled")
+    if not has_gpu():
+        return Validation(
+            status="not_run",
+            reason="no GPU on this worker: the library was built but not run",
+        )
+    from worker.pipeline import compile_module
+
+    with tempfile.TemporaryDirectory(prefix="stackfuse-ref-") as tmp:
+        ref_dir = Path(tmp)
+        ref_opts = options.model_copy(
+            update={"fuse_stacked": False, "offload_plain": False, "validate_on_gpu": "never"}
+        )
+        ref = compile_module(
+            payload, target=target, options=ref_opts, out_dir=ref_dir, settings=settings, fmt=fmt
+        )
+        out = ref_dir / "validation.json"
+        inputs = ref_dir / "inputs.json"
+        inputs.write_text(json.dumps(params))
+        result = sandbox.run(
+            [
+                sys.executable,
+                "-m",
+                "worker.validate",
+                str(library),
+                str(ref.library),
+                str(inputs),
+                str(out),
+            ],
+            limits=sandbox.Limits(
+                timeout_s=settings.validate_timeout_s,
+                cpu_s=settings.validate_cpu_s,
+                file_bytes=64 * 1024 * 1024,
+            ),
+            env=sandbox.clean_env({"PYTHONPATH": ":".join(p for p in sys.path if p)}),
+            what="validation",
+        )
+        if result.returncode != 0 or not out.exists():
+            tail = result.output.strip().splitlines()[-1:] or ["no output"]
+            return Validation(
+                status="error",
+                reason=f"validation process failed (exit {result.returncode}): {tail[0][:300]}",
+            )
+        return Validation(**json.loads(out.read_text()))
+
+
+def _child(fused_path: str, ref_path: str, inputs_path: str, out_path: str) -> None:
+    import time
+
+    import numpy as np
+
+    from worker.toolchain import import_tvm
+
+    tvm = import_tvm()
+    from tvm.runtime.vm import VirtualMachine
+
+    dev = tvm.cuda(0)
+    fused = VirtualMachine(tvm.runtime.load_module(fused_path), dev)
+    ref = VirtualMachine(tvm.runtime.load_module(ref_path), dev)
+    rng = np.random.default_rng()
+    args = []
+    for p in json.loads(Path(inputs_path).read_text()):
+        shape = [d if isinstance(d, int) else 2 for d in p["shape"]]
+        data = (rng.standard_normal(shape) * 0.5).astype(p["dtype"])
+        args.append(tvm.runtime.tensor(data, dev))
+
+    def run(vm: Any) -> tuple[Any, float]:
+        res = vm["main"](*args)
+        dev.sync()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            res = vm["main"](*args)
+        dev.sync()
+        return res, (time.perf_counter() - t0) / 5
+
+    got, t_fused = run(fused)
+    want, t_ref = run(ref)
+    worst_rel, worst_abs, dtype = 0.0, 0.0, "float32"
+    for g, w in zip(_flatten(got), _flatten(want), strict=True):
+        g_np, w_np = g.numpy().astype("float64"), w.numpy().astype("float64")
+        dtype = str(g.dtype)
+        if not np.all(np.isfinite(g_np)):
+            worst_rel = float("inf")
+            continue
+        worst_abs = max(worst_abs, float(np.max(np.abs(g_np - w_np))) if g_np.size else 0.0)
+        denom = float(np.linalg.norm(w_np)) or 1.0
+        worst_rel = max(worst_rel, float(np.linalg.norm(g_np - w_np)) / denom)
+    tol = TOLERANCE.get(dtype, 2e-2)
+    Path(out_path).write_text(
+        json.dumps(
+            {
+                "status": "passed" if worst_rel <= tol else "failed",
+                "reason": f"relative error {worst_rel:.2e} vs TVM-only reference "
+                f"(tolerance {tol:.0e})",
+                "device": "cuda:0",
+                "max_abs_error": worst_abs,
+                "tolerance": tol,
+                "seconds_fused": t_fused,
+                "seconds_reference": t_ref,
+            }
+        )
+    )
+
+
+def _flatten(x: Any) -> list[Any]:
+    if hasattr(x, "numpy"):
+        return [x]
+    return [y for item in x for y in _flatten(item)]
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:5])
