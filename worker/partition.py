@@ -631,6 +631,7 @@ def analyze(
 class Site:
     id: str
     where: Where
+    function_key: str = ""  # the GlobalVar name, uncut: sites are ordered within it
 
 
 def site_of(call: relax.Call) -> str | None:
@@ -672,10 +673,11 @@ def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
             sites[sid] = Site(
                 sid,
                 Where(
-                    function=self.fname,
-                    site=f"{self.fname}/attention#{self.local}",
+                    function=self.fname[:128],
+                    site=f"{self.fname[:128]}/attention#{self.local}",
                     binding=binding,
                 ),
+                function_key=self.fname,
             )
             self.local += 1
             span = ir.Span(ir.SourceName(SITE_PREFIX + sid), 0, 0, 0, 0)
@@ -690,7 +692,7 @@ def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
             for b in block.bindings:
                 if _is_attention(b.value):
                     names[b.value] = name_of(b.var)
-        new = _Tagger(mod, gv.name_hint[:128], names).visit_expr(func)
+        new = _Tagger(mod, gv.name_hint, names).visit_expr(func)
         out = out if new.same_as(func) else _replace(out, gv, new)
     return out, sites
 
@@ -711,41 +713,63 @@ def _where_for(sites: dict[str, Site], sid: str | None) -> Where:
 # partition
 # --------------------------------------------------------------------------------------------
 @dataclass
-class FusedSite:
-    """A codegen function made for one site, with the spec its kernel must implement."""
+class FusedFunction:
+    """A codegen function FuseOpsByPattern made; structurally equal sites share one."""
 
     gvar: ir.GlobalVar
-    site: str
     pattern: PatternDef
+    #: checked on the fused function itself: operand indices are its parameter positions
     analysis: Analysis
+
+
+@dataclass
+class SiteMatch:
+    """One attention site and the fused function that now computes it."""
+
+    site: str
+    function: FusedFunction
     bindings: list[str]
+
+    @property
+    def pattern(self) -> PatternDef:
+        return self.function.pattern
+
+    @property
+    def analysis(self) -> Analysis:
+        return self.function.analysis
+
+    @property
+    def gvar(self) -> ir.GlobalVar:
+        return self.function.gvar
 
 
 @dataclass
 class PartitionResult:
     mod: tvm.IRModule
     sites: dict[str, Site]
-    fused: list[FusedSite]
+    functions: list[FusedFunction]
+    #: fused sites, in site order
+    fused: list[SiteMatch]
     failures: list[CheckFailure]
 
     def match_entries(self) -> list[Match]:
         out = []
-        for fs in self.fused:
-            spec = fs.analysis.spec
+        for sm in self.fused:
+            spec = sm.analysis.spec
             assert spec is not None
             out.append(
                 Match(
-                    where=_where_for(self.sites, fs.site),
-                    pattern=fs.pattern.name,
-                    kind=fs.pattern.kind,  # type: ignore[arg-type]
-                    variant=fs.pattern.variant,  # type: ignore[arg-type]
-                    bias=fs.pattern.bias,
+                    where=_where_for(self.sites, sm.site),
+                    pattern=sm.pattern.name,
+                    kind=sm.pattern.kind,  # type: ignore[arg-type]
+                    variant=sm.pattern.variant,  # type: ignore[arg-type]
+                    bias=sm.pattern.bias,
                     causal=spec.causal,
                     dtype=spec.dtype,
-                    shapes=fs.analysis.shapes,
-                    bindings=fs.bindings,
+                    shapes=sm.analysis.shapes,
+                    bindings=sm.bindings,
                     scale=spec.scale,
-                    layout=layout_of(spec, fs.analysis.order),
+                    layout=layout_of(spec, sm.analysis.order),
                 )
             )
         return out
@@ -847,13 +871,60 @@ def partition(mod: tvm.IRModule, options: CompileOptions) -> PartitionResult:
     fused_mod = relax.transform.FuseOpsByPattern(pats, bind_constants=False, annotate_codegen=True)(
         mod
     )
-    fused = [
-        fs for fs in (_fused_site(gv, f) for gv, f in fused_mod.functions.items()) if fs is not None
+    functions = {
+        ff.gvar: ff
+        for ff in (_fused_function(gv, f) for gv, f in fused_mod.functions.items())
+        if ff is not None
+    }
+    matches = [
+        SiteMatch(sid, ff, covered.get((sid, ff.pattern.name), []))
+        for sid, ff in _sites_of_calls(fused_mod, sites, functions)
     ]
-    for fs in fused:
-        fs.bindings = covered.get((fs.site, fs.pattern.name), [])
-    fused.sort(key=lambda fs: int(fs.site) if fs.site.isdigit() else 1 << 30)
-    return PartitionResult(fused_mod, sites, fused, list(failures.values()))
+    matches.sort(key=lambda sm: int(sm.site))
+    return PartitionResult(
+        fused_mod, sites, list(functions.values()), matches, list(failures.values())
+    )
+
+
+def _sites_of_calls(
+    mod: tvm.IRModule, sites: dict[str, Site], functions: dict[ir.GlobalVar, FusedFunction]
+) -> list[tuple[str, FusedFunction]]:
+    """Which site each call to a fused function stands for.
+
+    FuseOpsByPattern merges structurally equal fused functions, so a function's own attention
+    span names only one of the sites it computes. Calls keep the order of the sites they
+    replace, so within each caller the sites that vanished pair up with its calls in order.
+    """
+    ordered: dict[str, list[str]] = {}
+    for sid in sorted(sites, key=int):
+        ordered.setdefault(sites[sid].function_key, []).append(sid)
+    out: list[tuple[str, FusedFunction]] = []
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function) or gv in functions:
+            continue
+        remaining: set[str] = set()
+        calls: list[FusedFunction] = []
+
+        def visit(
+            e: Any, remaining: set[str] = remaining, calls: list[FusedFunction] = calls
+        ) -> None:
+            if not isinstance(e, relax.Call):
+                return
+            if _is_attention(e) and site_of(e) is not None:
+                remaining.add(site_of(e))  # type: ignore[arg-type]
+            elif isinstance(e.op, ir.GlobalVar) and e.op in functions:
+                calls.append(functions[e.op])
+
+        for block in func.body.blocks:
+            for b in block.bindings:
+                relax.analysis.post_order_visit(b.value, visit)
+        gone = [sid for sid in ordered.get(gv.name_hint, []) if sid not in remaining]
+        if len(gone) != len(calls):
+            raise AssertionError(
+                f"{len(calls)} fused calls for {len(gone)} fused sites in {gv.name_hint[:64]}"
+            )
+        out.extend(zip(gone, calls, strict=True))
+    return out
 
 
 def _composite_of(outer: relax.Function) -> relax.Function | None:
@@ -867,7 +938,7 @@ def _composite_of(outer: relax.Function) -> relax.Function | None:
     return found[0] if found else None
 
 
-def _fused_site(gv: ir.GlobalVar, func: Any) -> FusedSite | None:
+def _fused_function(gv: ir.GlobalVar, func: Any) -> FusedFunction | None:
     if not isinstance(func, relax.Function) or func.attrs is None:
         return None
     if func.attrs.get("Codegen") != CODEGEN:
@@ -896,4 +967,4 @@ def _fused_site(gv: ir.GlobalVar, func: Any) -> FusedSite | None:
     if not an.ok:
         msgs = "; ".join(f.message for f in an.failures)
         raise AssertionError(f"fused function {gv.name_hint} fails its checks: {msgs}")
-    return FusedSite(gv, site_of(ann["attention"]) or "?", pdef, an, [])
+    return FusedFunction(gv, pdef, an)

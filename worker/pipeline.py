@@ -138,16 +138,21 @@ def compile_module(
 
         say("codegen")
         with timed("codegen"):
-            chosen = [
-                codegen.select_kernel(f.analysis.spec, target.arch, options.kernel)
-                for f in result.fused
-            ]  # type: ignore[arg-type]
-            unique = {ks.symbol: ks for ks, _ in chosen}
+            chosen = {
+                ff.gvar.name_hint: codegen.select_kernel(
+                    ff.analysis.spec,  # type: ignore[arg-type]
+                    target.arch,
+                    options.kernel,
+                )
+                for ff in result.functions
+            }
+            unique = {ks.symbol: ks for ks, _ in chosen.values()}
             compiled: dict[str, codegen.CompiledKernel] = {}
             for i, ks in enumerate(unique.values()):
                 say("codegen", f"compile {i + 1} of {len(unique)} kernels", i / max(1, len(unique)))
                 compiled[ks.symbol] = codegen.compile_object(ks, settings=settings)
-        for match, (ks, reason) in zip(report.matches, chosen, strict=True):
+        for match, sm in zip(report.matches, result.fused, strict=True):
+            ks, reason = chosen[sm.gvar.name_hint]
             ck = compiled[ks.symbol]
             match.kernel = KernelChoice(
                 family=ks.family,  # type: ignore[arg-type]
@@ -163,11 +168,7 @@ def compile_module(
         library = out_dir / LIBRARY_NAME
         with timed("build"):
             mod = build.share_kernels(
-                result.mod,
-                {
-                    f.gvar.name_hint: ks.symbol
-                    for f, (ks, _) in zip(result.fused, chosen, strict=True)
-                },
+                result.mod, {name: ks.symbol for name, (ks, _) in chosen.items()}
             )
             build.build_library(
                 mod,

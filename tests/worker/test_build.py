@@ -1,0 +1,145 @@
+"""The whole pipeline on the CPU machine: real nvcc, a real .so that TVM loads, the report."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from service.errors import StackfuseError, TimeLimitExceeded
+from service.settings import Settings
+from service.spec import CompileOptions, Target
+from tests.models import stacked_attention_module, to_json, tvm, two_layer_module
+from tests.worker.fatbin import KIND_ELF, entries
+from worker.pipeline import LIBRARY_NAME, REPORT_NAME, compile_module
+
+pytestmark = pytest.mark.nvcc
+
+
+def build(mod: object, settings: Settings, out: Path, **opts: object) -> object:
+    return compile_module(
+        to_json(mod),
+        target=Target(arch="sm_90"),
+        options=CompileOptions(**opts),
+        out_dir=out,
+        settings=settings,
+    )
+
+
+def test_library_loads_in_tvm_with_sm90_machine_code(
+    kernel_settings: Settings, tmp_path: Path
+) -> None:
+    stages: list[str] = []
+    res = compile_module(
+        to_json(stacked_attention_module(4, 8, 32, 64, 32, epilogue=True)),
+        target=Target(arch="sm_90"),
+        options=CompileOptions(),
+        out_dir=tmp_path,
+        settings=kernel_settings,
+        progress=lambda stage, frac, detail: stages.append(stage),
+    )
+    assert res.library == tmp_path / LIBRARY_NAME and res.report_path == tmp_path / REPORT_NAME
+    assert stages[0] == "ingest" and "codegen" in stages and "link" in stages
+    assert stages[-1] == "done"
+    data = res.library.read_bytes()
+    # both the CUTLASS kernel and TVM's own (the epilogue add) are sm_90 machine code
+    elves = [sm for kind, sm in entries(data) if kind == KIND_ELF]
+    assert elves.count(90) == 2
+    assert b"__global__" not in data  # no CUDA source left to JIT at load time
+    lib = tvm.runtime.load_module(str(res.library))
+    from tvm.runtime.vm import VirtualMachine
+
+    vm = VirtualMachine(lib, tvm.cpu())
+    assert vm["main"] is not None
+    (match,) = res.report.matches
+    assert match.kernel is not None
+    assert lib.get_function(match.kernel.symbol, query_imports=True) is not None
+
+
+def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
+    res = build(stacked_attention_module(4, 8, 32, 64, 32), kernel_settings, tmp_path)
+    doc = json.loads(res.report_path.read_text())
+    assert doc["schema_version"] == 1
+    assert doc["target"] == {"arch": "sm_90"}
+    assert set(doc["toolchain"]) >= {"apache-tvm", "apache-tvm-ffi", "nvidia-cutlass"}
+    assert doc["summary"] == {
+        "attention_sites": 1,
+        "fused_stacked": 1,
+        "fused_plain": 0,
+        "not_offloaded": 0,
+    }
+    assert set(doc["timings"]) >= {"ingest", "partition", "codegen", "build"}
+    lib = (tmp_path / LIBRARY_NAME).read_bytes()
+    assert doc["library"] == {
+        "sha256": hashlib.sha256(lib).hexdigest(),
+        "size_bytes": len(lib),
+        "file": "model.so",
+    }
+    assert doc["validation"]["status"] == "not_run"
+    assert "no GPU" in doc["validation"]["reason"]
+    kernel = doc["matches"][0]["kernel"]
+    assert kernel["family"] == "cutlass_fmha_sm80" and kernel["reason"]
+    assert (
+        doc["input_sha256"]
+        == hashlib.sha256(to_json(stacked_attention_module(4, 8, 32, 64, 32)).encode()).hexdigest()
+    )
+
+
+def test_identical_sites_share_one_kernel_and_the_cache_hits(
+    kernel_settings: Settings, tmp_path: Path
+) -> None:
+    res = build(two_layer_module(2, 16, 4, 64), kernel_settings, tmp_path / "a")
+    assert res.report.summary.fused_stacked == 2
+    symbols = {m.kernel.symbol for m in res.report.matches if m.kernel}
+    assert len(symbols) == 1
+    again = build(two_layer_module(2, 16, 4, 64), kernel_settings, tmp_path / "b")
+    assert all(m.kernel and m.kernel.cache_hit for m in again.report.matches)
+
+
+def test_symbolic_batch_builds(kernel_settings: Settings, tmp_path: Path) -> None:
+    res = build(stacked_attention_module("batch", 16, 4, 64), kernel_settings, tmp_path)
+    (m,) = res.report.matches
+    assert m.layout.batch_stride["q"] == 768 * 16  # only the batch is symbolic
+    assert isinstance(m.shapes["qkv"][0], str)
+    assert res.library.exists()
+
+
+def test_failure_after_partition_still_writes_the_report(tmp_path: Path) -> None:
+    # a fresh kernel cache and no time for nvcc: codegen fails after partitioning ran
+    settings = Settings(data_dir=tmp_path / "d", kernel_cache_dir=tmp_path / "k", nvcc_timeout_s=0)
+    with pytest.raises(TimeLimitExceeded) as err:
+        build(stacked_attention_module(2, 8, 4, 64), settings, tmp_path / "out")
+    assert "nvcc" in err.value.message
+    doc = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert doc["summary"]["fused_stacked"] == 1
+    assert doc["error"]["type"] == "time-limit-exceeded"
+    assert not (tmp_path / "out" / LIBRARY_NAME).exists()
+
+
+def test_bad_input_fails_before_partition_without_a_report(
+    kernel_settings: Settings, tmp_path: Path
+) -> None:
+    with pytest.raises(StackfuseError) as err:
+        compile_module(
+            b"{not json",
+            target=Target(),
+            options=CompileOptions(),
+            out_dir=tmp_path,
+            settings=kernel_settings,
+        )
+    assert err.value.status < 500 and not err.value.retryable
+    assert not (tmp_path / REPORT_NAME).exists()
+
+
+def test_only_stackfuse_errors_escape(kernel_settings: Settings, tmp_path: Path) -> None:
+    bogus = json.dumps({"root_index": 0, "nodes": [{"type": "relax.Function"}], "b64ndarrays": []})
+    with pytest.raises(StackfuseError):
+        compile_module(
+            bogus,
+            target=Target(),
+            options=CompileOptions(),
+            out_dir=tmp_path,
+            settings=kernel_settings,
+        )

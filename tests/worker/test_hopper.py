@@ -1,0 +1,298 @@
+"""worker.hopper: what the Hopper FMHA takes, which variants it offers, and what it renders.
+
+The GPU numerics and timings live in benchmarks/hopper_kernel.py (results in
+benchmarks/results/hopper_kernel.md); here: CPU logic, and one real nvcc compile for sm_90a.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from worker import hopper
+from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess
+
+
+def stacked(
+    dtype: str = "float16",
+    batch: int | str = 8,
+    seq: int | str = 2048,
+    nq: int = 16,
+    nkv: int = 16,
+    h: int = 128,
+    causal: str = "none",
+) -> AttentionSpec:
+    c = (nq + 2 * nkv) * h
+    return AttentionSpec(
+        dtype=dtype,  # type: ignore[arg-type]
+        batch=batch,
+        seq_q=seq,
+        seq_kv=seq,
+        num_q_heads=nq,
+        num_kv_heads=nkv,
+        head_dim=h,
+        head_dim_v=h,
+        scale=1.0 / math.sqrt(h),
+        causal=causal,  # type: ignore[arg-type]
+        q=TensorAccess(0, 0, c, h),
+        k=TensorAccess(0, nq * h, c, h),
+        v=TensorAccess(0, (nq + nkv) * h, c, h),
+        num_operands=1,
+        operand_shapes=((batch, seq, c),),
+    )
+
+
+# --- supports ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "90"])
+def test_supports_stacked_fp16_on_hopper(arch: str) -> None:
+    assert hopper.supports(stacked(), arch) is None
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        stacked(dtype="bfloat16"),
+        stacked(h=64),
+        stacked(h=32),
+        stacked(h=256),
+        stacked(h=96),
+        stacked(h=72),
+        stacked(causal="TopLeft"),
+        stacked(causal="BottomRight"),
+        stacked(nq=32, nkv=8),
+        stacked(nq=16, nkv=1),
+        stacked(batch=DYNAMIC, seq=DYNAMIC),
+    ],
+)
+def test_supports_variants_of_the_stacked_layout(spec: AttentionSpec) -> None:
+    assert hopper.supports(spec, "sm_90") is None
+    assert hopper.variants(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "arch", "words"),
+    [
+        (stacked(), "sm_80", "sm_90"),
+        (stacked(), "sm_100", "sm_90"),
+        (stacked(dtype="float32"), "sm_90", "float32"),
+        (dataclasses.replace(stacked(), head_dim_v=64), "sm_90", "head_dim_v 64"),
+        (stacked(h=100), "sm_90", "head_dim 100"),
+        (stacked(h=264), "sm_90", "head_dim 264"),
+        (dataclasses.replace(stacked(nq=30, nkv=8), num_q_heads=30), "sm_90", "30 query heads"),
+        (stacked(seq=77), "sm_90", "multiple of 8"),
+        (
+            dataclasses.replace(stacked(), bias=BiasSpec(1, (1, 1, 1, 2048)), num_operands=2),
+            "sm_90",
+            "bias",
+        ),
+        (dataclasses.replace(stacked(), k=TensorAccess(0, 2052, 6144, 128)), "sm_90", "aligned"),
+        (
+            dataclasses.replace(stacked(causal="BottomRight"), seq_q=256, seq_kv=128),
+            "sm_90",
+            "no keys",
+        ),
+    ],
+)
+def test_supports_says_why_not(spec: AttentionSpec, arch: str, words: str) -> None:
+    reason = hopper.supports(spec, arch)
+    assert reason is not None and words in reason
+
+
+# --- variants / selection ---------------------------------------------------------------------
+def test_variants_by_head_dim() -> None:
+    assert set(hopper.variants(stacked(h=128))) == {"coop_128x128", "pingpong_128x128"}
+    assert "tma_64x128" in hopper.variants(stacked(h=64))
+    assert hopper.variants(stacked(h=256)) == ["coop_128x64"]
+    assert hopper.variants(stacked(h=96)) == hopper.variants(stacked(h=128))
+    assert hopper.variants(stacked(h=264)) == []
+
+
+def test_selection_pick_comes_first_and_is_valid() -> None:
+    for spec in (
+        stacked(),
+        stacked(h=64),
+        stacked(batch=32, seq=128, nq=12, nkv=12, h=64),
+        stacked(causal="TopLeft"),
+        stacked(h=32),
+        stacked(h=256),
+    ):
+        names = hopper.variants(spec)
+        pick = hopper.SELECTION[hopper.shape_class(spec)]
+        if pick != "sm80":
+            assert names[0] == pick
+        assert len(set(names)) == len(names)
+        assert all(n in hopper.VARIANTS for n in names)
+
+
+def test_selection_covers_every_shape_class() -> None:
+    for tile in (32, 64, 128, 256):
+        for causal in (False, True):
+            for size in ("small", "large"):
+                pick = hopper.SELECTION[(tile, causal, size)]
+                assert pick == "sm80" or pick in hopper._BY_HEAD_DIM[tile]
+
+
+# --- render -----------------------------------------------------------------------------------
+_ALLOWED_IDENTIFIERS = {
+    # C++ and the TVM-FFI ABI
+    "include",
+    "tvm",
+    "ffi",
+    "container",
+    "tensor",
+    "h",
+    "extra",
+    "c_env_api",
+    "function",
+    "namespace",
+    "using",
+    "const",
+    "void",
+    "DLTensor",
+    "TVM_FFI_DLL_EXPORT_TYPED_FUNC",
+    "impl",
+    "out",
+    "ops",
+    "f",
+    # our wrapper and CUTLASS names the template uses
+    "hopper_fmha_tvm",
+    "cuh",
+    "stackfuse",
+    "hopper",
+    "Cfg",
+    "Config",
+    "StackedSpec",
+    "kSpec",
+    "run_stacked",
+    "CausalMode",
+    "kNone",
+    "kTopLeft",
+    "kBottomRight",
+    "cutlass",
+    "half_t",
+    "bfloat16_t",
+    "gemm",
+    "KernelTma",
+    "KernelTmaWarpSpecializedCooperative",
+    "KernelTmaWarpSpecializedPingpong",
+    "true",
+}
+
+
+def _code_tokens(source: str) -> tuple[set[str], list[str]]:
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    idents = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", code))
+    numbers = re.findall(r"(?<![A-Za-z_0-9.])-?\d+(?:\.\d+)?(?:e-?\d+)?f?", code)
+    return idents, numbers
+
+
+@pytest.mark.parametrize("variant", ["coop_128x128", "pingpong_128x128"])
+@pytest.mark.parametrize("causal", ["none", "TopLeft", "BottomRight"])
+def test_render_holds_only_numbers_and_the_symbol(variant: str, causal: str) -> None:
+    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, nq=32, nkv=8, causal=causal)
+    ks = hopper.render(spec, "stackfuse_h0123abcd", variant)
+    assert ks.family == "cutlass_fmha_hopper"
+    assert ks.symbol == "stackfuse_h0123abcd"
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(stackfuse_h0123abcd, impl)" in ks.source
+    idents, numbers = _code_tokens(ks.source)
+    assert idents - _ALLOWED_IDENTIFIERS == {"stackfuse_h0123abcd", "op0"}
+    assert '"' not in re.sub(r'#include "[a-z_./]+"', "", ks.source)
+    for n in numbers:
+        float(n.rstrip("f"))  # every other token is a number
+
+
+def test_render_numbers_come_from_the_spec() -> None:
+    spec = stacked(batch=4, seq=1024, nq=32, nkv=8, h=64)
+    src = hopper.render(spec, "s", "coop_128x64").source
+    c = (32 + 16) * 64
+    assert f"/*q=*/{{0, 0, {c}, 64}}" in src
+    assert f"/*k=*/{{0, {32 * 64}, {c}, 64}}" in src
+    assert f"/*v=*/{{0, {40 * 64}, {c}, 64}}" in src
+    assert "/*batch=*/4, /*seq_q=*/1024, /*seq_kv=*/1024" in src
+    assert "/*q_heads=*/32, /*kv_heads=*/8" in src
+    assert "cutlass::half_t, 128, 64, 64, cutlass::gemm::KernelTmaWarpSpecializedCooperative" in src
+
+
+def test_render_dynamic_dims_and_bf16() -> None:
+    spec = stacked(dtype="bfloat16", batch=DYNAMIC, seq=DYNAMIC)
+    ks = hopper.render(spec, "s", "coop_128x128")
+    assert "/*batch=*/-1, /*seq_q=*/-1, /*seq_kv=*/-1" in ks.source
+    assert "cutlass::bfloat16_t" in ks.source
+    assert "/*dtype_code=*/4" in ks.source
+    assert isinstance(ks.workspace_bytes, str)
+    fixed = hopper.render(stacked(), "s", "coop_128x128")
+    assert fixed.workspace_bytes == 8 * 16 * 2048 * 4
+
+
+def test_render_flags_target_sm90a_and_the_example() -> None:
+    ks = hopper.render(stacked(), "s", "coop_128x128")
+    assert "-gencode=arch=compute_90a,code=sm_90a" in ks.flags
+    assert any(f.endswith("88_hopper_fmha") for f in ks.flags)
+    assert any(f == f"-I{hopper.KERNELS_DIR}" for f in ks.flags)
+    assert ks.config["variant"] == "coop_128x128"
+
+
+@pytest.mark.parametrize("symbol", ["a-b", "1abc", "x;system", "", "a b", "x" * 200])
+def test_render_rejects_a_symbol_that_is_no_identifier(symbol: str) -> None:
+    with pytest.raises(ValueError):
+        hopper.render(stacked(), symbol, "coop_128x128")
+
+
+def test_render_rejects_unknown_variant_and_unsupported_spec() -> None:
+    with pytest.raises(ValueError, match="variant"):
+        hopper.render(stacked(), "s", "tma_64x128")
+    with pytest.raises(ValueError, match="float32"):
+        hopper.render(stacked(dtype="float32"), "s", "coop_128x128")
+
+
+# --- nvcc -------------------------------------------------------------------------------------
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_nvcc_compiles_one_config_and_exports_the_symbol(tmp_path: Path) -> None:
+    """One forward configuration for sm_90a, through the service's cached nvcc when present."""
+    spec = stacked(batch=DYNAMIC, seq=DYNAMIC)
+    ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", "coop_128x128")
+    try:
+        from worker.codegen import compile_object
+    except ImportError:  # codegen without a compile step: call nvcc ourselves
+        compile_object = None
+    if compile_object is not None:
+        obj = compile_object(ks).object_path
+    else:
+        from worker.toolchain import find_toolchain
+
+        chain = find_toolchain()
+        src = tmp_path / "k.cu"
+        src.write_text(ks.source)
+        obj = tmp_path / "k.o"
+        subprocess.run(
+            [
+                str(chain.nvcc),
+                "-c",
+                "-O3",
+                "-std=c++17",
+                "-Xcompiler=-fPIC",
+                "--expt-relaxed-constexpr",
+                "-DNDEBUG",
+                *ks.flags,
+                f"-I{chain.curand_include}",
+                f"-I{chain.tvm_ffi_include}",
+                f"-I{chain.dlpack_include}",
+                str(src),
+                "-o",
+                str(obj),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
+    nm = shutil.which("nm")
+    assert nm is not None
+    symbols = subprocess.run([nm, str(obj)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"\bT __tvm_ffi_stackfuse_hopper_nvcc_test\b", symbols)
