@@ -60,6 +60,20 @@ class MalformedJSON(RequestError):
     status = 400
 
 
+class InvalidRequest(RequestError):
+    """The JSON is well formed but not the shape POST /optimize takes (missing or extra fields)."""
+
+    type = "invalid-request"
+    title = "Request body has the wrong shape"
+    status = 422
+
+
+class MethodNotAllowed(RequestError):
+    type = "method-not-allowed"
+    title = "Method not allowed"
+    status = 405
+
+
 class UnknownTarget(RequestError):
     type = "unknown-target"
     title = "Unknown target"
@@ -103,6 +117,13 @@ class ForbiddenConstruct(InputError):
     type = "forbidden-construct"
     title = "Module uses a construct Stackfuse refuses"
     status = 422
+
+
+class ForbiddenScript(ForbiddenConstruct):
+    """TVMScript holding Python outside the allow-list (TVM's parser would evaluate it)."""
+
+    type = "forbidden-script"
+    title = "TVMScript uses Python Stackfuse does not accept"
 
 
 # --- compiling ----------------------------------------------------------------------------

@@ -80,6 +80,9 @@ def maybe_validate(
             limits=sandbox.Limits(
                 timeout_s=settings.validate_timeout_s,
                 cpu_s=settings.validate_cpu_s,
+                # CUDA reserves far more address space than it uses: limit data, not address space
+                memory_bytes=settings.validate_memory_bytes,
+                memory_kind="data",
                 file_bytes=64 * 1024 * 1024,
             ),
             env=sandbox.clean_env({"PYTHONPATH": ":".join(p for p in sys.path if p)}),
