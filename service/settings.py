@@ -31,11 +31,11 @@ class Settings(BaseSettings):
     )
     data_dir: Path = Field(
         default=Path(".stackfuse-data"),
-        description="Content-addressed store shared by API and workers (inputs, artifacts, reports).",
+        description="Content-addressed store shared by API and workers (inputs, outputs).",
     )
     kernel_cache_dir: Path | None = Field(
         default=None,
-        description="Compiled kernel objects, keyed by source+flags+nvcc; default <data_dir>/kernels.",
+        description="Kernel objects by sha256(source, flags, nvcc); default <data_dir>/kernels.",
     )
     queue_name: str = "stackfuse"
 
@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     error_excerpt_chars: int = 2000
 
     # --- validation (runs the built library on a GPU, in a separate process) ---------------
-    validate_on_gpu: bool = Field(default=True, description="Validate on GPU when the host has one.")
+    validate_on_gpu: bool = Field(default=True, description="Validate on a GPU when there is one.")
     validate_timeout_s: int = 300
     validate_cpu_s: int = 300
     validate_memory_bytes: int = 64 * GiB
