@@ -177,7 +177,56 @@ def build(out_dir: Path, names: list[str] | None = None, **opts: Any) -> None:
         if got != case.expect:
             raise SystemExit(f"{case.name}: report says {got}, expected {case.expect}")
         (work / "case.json").write_text(json.dumps(asdict(case)))
+        if case.name in VALIDATED:
+            _build_reference(case, work)
         print(f"built {case.name} in {time.monotonic() - t0:.1f}s ({got})", flush=True)
+
+
+#: cases whose worker-side validation child (worker/validate.py) also runs on the GPU
+VALIDATED = ("split_fp16_epilogue", "split_fp16_symbolic_batch")
+
+
+def _build_reference(case: Case, work: Path) -> None:
+    """The TVM-only library and the input signature the worker's validation child takes."""
+    from service.settings import get_settings
+    from service.spec import CompileOptions, Target
+    from tests.models import to_json
+    from worker import validate
+    from worker.pipeline import compile_module
+
+    mod = module_for(case)
+    compile_module(
+        to_json(mod),
+        target=Target(arch="sm_90"),
+        options=CompileOptions(fuse_stacked=False, offload_plain=False, validate_on_gpu="never"),
+        out_dir=work / "ref",
+        settings=get_settings(),
+    )
+    (work / "inputs.json").write_text(json.dumps(validate.signature(mod["main"])))
+
+
+def run_validation_child(work: Path) -> dict[str, Any]:
+    """What a GPU worker records in the report's ``validation`` (worker/validate.py child)."""
+    import subprocess
+
+    out = work / "validation.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.validate",
+            str(work / "model.so"),
+            str(work / "ref" / "model.so"),
+            str(work / "inputs.json"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        return {"status": "error", "reason": proc.stdout[-500:] + proc.stderr[-500:]}
+    return json.loads(out.read_text())
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +335,9 @@ def check(out_dir: Path, names: list[str] | None = None) -> list[dict[str, Any]]
                 worst_abs = max(worst_abs, float((g_torch - w_f).abs().max()))
             tol = TOLERANCE[row["dtype"]]
             row.update(rel_error=worst, max_abs_error=worst_abs, tolerance=tol, passed=worst <= tol)
+            if (case_dir / "inputs.json").exists():
+                row["worker_validation"] = run_validation_child(case_dir)
+                row["passed"] = row["passed"] and row["worker_validation"]["status"] == "passed"
         except Exception as exc:  # report every case, including crashes
             row.update(passed=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
         results.append(row)
