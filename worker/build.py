@@ -76,7 +76,8 @@ def _cuda_compile(code: str, *_: Any) -> bytearray:
         "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
         "--expt-relaxed-constexpr",
         "--expt-extended-lambda",
-        "--use_fast_math",
+        # no --use_fast_math (TVM's default): it turns powf(x, 3) into exp2(3*log2(x)), NaN for
+        # every negative x; it broke GPT-2's GELU on the H200
     ]
     key = hashlib.sha256(f"{code}\0{flags}\0{chain.nvcc_version}".encode()).hexdigest()
     shard = settings.resolved_kernel_cache_dir() / "fatbins" / key[:2]

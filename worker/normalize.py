@@ -1,27 +1,603 @@
 """Graph normalization before partitioning, so that exported forms reach the patterns.
 
-Each rewrite that changes the module is reported as a :class:`~worker.report.Rewrite`.
+Importers (PyTorch's ``torch.export``, ONNX) do not emit ``qkv -> split -> reshape ->
+attention``; they emit transposes around scaled-dot-product attention, keep attention
+decomposed, pass causal masks as constant tensors and project q, k and v with three matmuls.
+Each rewrite here undoes one such habit, is local, keeps the function's meaning, and is reported
+as a :class:`~worker.report.Rewrite`:
+
+- ``decomposed_attention``: ``softmax(scale * q @ kT + mask) @ v`` -> ``R.nn.attention`` (scale
+  constants found on the scores, on q or on k; an additive mask becomes the bias);
+- ``constant_mask``: a constant additive bias that is causal (or attends everywhere) becomes
+  ``causal_mask`` (or no bias): the kernel masks without reading a tensor;
+- ``transpose_pairs``: ``permute_dims`` chains compose; identities vanish; a transpose is moved
+  below a split or slice, and a batch-merged transpose (reshape -> 3-D transpose -> reshape) is
+  seen as the 4-D transpose it is, so that pairs meet and cancel;
+- ``empty_concat``: zero-width concat operands (partial rotary with no rotary dims) are dropped;
+- ``integer_power``: ``x ** 3`` (GPT-2's GELU) becomes multiplies: fast-math CUDA ``powf`` is
+  NaN for negative x, which made whole GPT-2 libraries return NaN;
+- ``combine_qkv``: three matmuls of one input feeding one attention (BERT's query/key/value)
+  become one matmul on concatenated weights and a split: the stacked layout the fused kernel
+  reads. (TVM's ``CombineParallelMatmul`` does not fire on exported graphs: their weights reach
+  the matmul through a transpose, not as parameters.)
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
 from service.spec import CompileOptions
-from worker.report import Rewrite
+from worker.report import Rewrite, Where
 from worker.toolchain import import_tvm
 
 import_tvm()
 
 import tvm  # noqa: E402
 import tvm_ffi  # noqa: E402
-from tvm import relax  # noqa: E402
+from tvm import ir, relax, tirx  # noqa: E402
+
+#: an additive bias at or below this is "masked out": exp(-1e4) underflows to 0 in fp32
+MASKED = -1.0e4
+#: at most this many fixpoint rounds of the local rewrites
+MAX_ROUNDS = 6
+ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+def _op(expr: Any) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, ir.Op):
+        return str(expr.op.name)
+    return None
+
+
+def _ints(values: Any) -> list[int] | None:
+    out = []
+    for v in values:
+        while not isinstance(v, int) and hasattr(v, "value"):
+            v = v.value
+        if not isinstance(v, int):
+            return None
+        out.append(int(v))
+    return out
+
+
+def _shape(expr: Any) -> list[int] | None:
+    ty = getattr(expr, "ty", None)
+    shape = getattr(ty, "shape", None)
+    if not isinstance(shape, relax.ShapeExpr):
+        return None
+    return _ints(shape.values)
+
+
+def _ndim(expr: Any) -> int:
+    return int(getattr(expr.ty, "ndim", -1))
+
+
+def _axes(call: relax.Call) -> list[int]:
+    axes = call.attrs.axes
+    n = _ndim(call.args[0])
+    if axes is None:
+        return list(range(n))[::-1]
+    got = _ints(axes)
+    assert got is not None
+    return [a + n if a < 0 else a for a in got]
+
+
+def _scalar(expr: Any) -> float | None:
+    """A constant with one element, as a float."""
+    if isinstance(expr, ir.expr.GenericConst):
+        arr = expr.value.numpy()
+        if arr.size == 1 and np.issubdtype(arr.dtype, np.floating):
+            return float(arr.reshape(()))
+    return None
+
+
+def _dtype(expr: Any) -> str:
+    return str(expr.ty.dtype).removeprefix("T.")
+
+
+TAG_PREFIX = "stackfuse.normalized."
+
+
+def _tag_of(call: Any) -> str | None:
+    span = getattr(call, "span", None)
+    if span is None:
+        return None
+    name = str(span.source_name.name)
+    return name[len(TAG_PREFIX) :] if name.startswith(TAG_PREFIX) else None
+
+
+@dataclass
+class _Log:
+    """What fired, by rewrite name; per-site rewrites keep the attention binding they made."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    sites: list[tuple[str, str, str]] = field(default_factory=list)  # (rewrite, tag, message)
+
+    def tagged(self, call: relax.Call, source: Any = None) -> tuple[relax.Call, str]:
+        """``call`` carrying a span that names it (the tag of ``source`` when it has one), so
+        that the report can say which attention site a rewrite made, whatever passes follow."""
+        tag = _tag_of(source) if source is not None else None
+        if tag is None:
+            tag = str(sum(1 for _ in self.sites))
+        span = ir.Span(ir.SourceName(TAG_PREFIX + tag), 0, 0, 0, 0)
+        return relax.Call(call.op, call.args, call.attrs, call.ty_args, span), tag
+
+
+# --------------------------------------------------------------------------------------------
+# local rewrites (one mutator, applied to a fixpoint)
+# --------------------------------------------------------------------------------------------
+@relax.expr_functor.mutator
+class _Local(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, log: _Log, combine: bool) -> None:
+        super().__init__(mod)
+        self.log = log
+        self.combine = combine
+        self.split_cache: dict[Any, Any] = {}
+
+    # value of a variable bound earlier in this function (None for parameters)
+    def value(self, expr: Any) -> Any:
+        if isinstance(expr, relax.Var):
+            bound = self.lookup_binding(expr)
+            return bound if bound is not None else expr
+        return expr
+
+    def emit(self, expr: Any, name: str = "nf") -> Any:
+        return self.builder_.emit(expr, name)
+
+    def visit_call_(self, call: relax.Call) -> Any:
+        call = super().visit_call_(call)
+        op = _op(call)
+        if op == "relax.permute_dims":
+            return self.permute(call)
+        if op == "relax.reshape":
+            return self.merged_transpose(call)
+        if op == "relax.concat":
+            return self.concat(call)
+        if op == "relax.strided_slice":
+            return self.slice_below_permute(call)
+        if op == "relax.matmul":
+            return self.decomposed(call)
+        if op == "relax.power":
+            return self.integer_power(call)
+        if op == "relax.nn.attention_bias":
+            call = self.constant_mask(call)
+        if _op(call) in ATTENTION_OPS and self.combine:
+            return self.combine_qkv(call)
+        return call
+
+    def visit_tuple_getitem_(self, node: relax.TupleGetItem) -> Any:
+        node = super().visit_tuple_getitem_(node)
+        return self.split_below_permute(node)
+
+    # ---- transposes ---------------------------------------------------------------------
+    def permute(self, call: relax.Call) -> Any:
+        inner = self.value(call.args[0])
+        if _op(inner) != "relax.permute_dims":
+            if _axes(call) == list(range(_ndim(call))):
+                self.log.counts["transpose_pairs"] += 1
+                return call.args[0]
+            return call
+        p1, p2 = _axes(inner), _axes(call)
+        composed = [p1[i] for i in p2]
+        self.log.counts["transpose_pairs"] += 1
+        if composed == list(range(len(composed))):
+            return inner.args[0]
+        return relax.op.permute_dims(inner.args[0], composed)
+
+    def split_below_permute(self, node: relax.TupleGetItem) -> Any:
+        """``split(permute(x, p), axis=a)[i]`` -> ``permute(split(x, axis=p[a])[i], p)``."""
+        split = self.value(node.tuple_value)
+        if _op(split) != "relax.split":
+            return node
+        src = self.value(split.args[0])
+        if _op(src) != "relax.permute_dims":
+            return node
+        p = _axes(src)
+        axis = int(split.attrs.axis)
+        axis = axis + len(p) if axis < 0 else axis
+        key = split
+        if key not in self.split_cache:
+            ios = split.attrs.indices_or_sections
+            ios_v: Any = int(ios.value) if hasattr(ios, "value") else _ints(ios)
+            if ios_v is None:
+                return node
+            self.split_cache[key] = self.emit(relax.op.split(src.args[0], ios_v, p[axis]))
+        piece = self.emit(relax.TupleGetItem(self.split_cache[key], node.index))
+        self.log.counts["transpose_pairs"] += 1
+        return relax.op.permute_dims(piece, p)
+
+    def slice_below_permute(self, call: relax.Call) -> Any:
+        """``strided_slice(permute(x, p), axes)`` -> ``permute(strided_slice(x, p[axes]), p)``."""
+        src = self.value(call.args[0])
+        if _op(src) != "relax.permute_dims":
+            return call
+        p = _axes(src)
+        axes = _ints(call.args[1].fields if hasattr(call.args[1], "fields") else call.args[1])
+        if axes is None:
+            return call
+        n = len(p)
+        new_axes = [p[a + n if a < 0 else a] for a in axes]
+        strides = call.args[4] if len(call.args) > 4 else None
+        sliced = self.emit(
+            relax.op.strided_slice(
+                src.args[0],
+                new_axes,
+                call.args[2],
+                call.args[3],
+                strides,
+                assume_inbound=bool(call.attrs.assume_inbound),
+            )
+        )
+        self.log.counts["transpose_pairs"] += 1
+        return relax.op.permute_dims(sliced, p)
+
+    def merged_transpose(self, call: relax.Call) -> Any:
+        """``reshape(permute(reshape(x, [a*b, ...]), [0, ...]), [a, b, ...])`` is a 4-D permute."""
+        out_shape = _shape(call)
+        perm = self.value(call.args[0])
+        if out_shape is None or _op(perm) != "relax.permute_dims":
+            return call
+        merged = self.value(perm.args[0])
+        if _op(merged) != "relax.reshape":
+            return call
+        x = merged.args[0]
+        xs, ms = _shape(x), _shape(merged)
+        p = _axes(perm)
+        if xs is None or ms is None or len(xs) != len(ms) + 1 or p[0] != 0:
+            return call
+        if ms != [xs[0] * xs[1], *xs[2:]]:
+            return call
+        full = [0, 1, *[q + 1 for q in p[1:]]]
+        if [xs[i] for i in full] != out_shape:
+            return call
+        self.log.counts["transpose_pairs"] += 1
+        return relax.op.permute_dims(x, full)
+
+    # ---- empty concat operands -----------------------------------------------------------
+    def concat(self, call: relax.Call) -> Any:
+        parts = call.args[0]
+        if not isinstance(parts, relax.Tuple):
+            parts = self.value(parts)
+            if not isinstance(parts, relax.Tuple):
+                return call
+        axis = int(call.attrs.axis) if call.attrs.axis is not None else 0
+        keep = []
+        for f in parts.fields:
+            s = _shape(f)
+            a = axis + len(s) if s is not None and axis < 0 else axis
+            if s is not None and s[a] == 0:
+                continue
+            keep.append(f)
+        if len(keep) == len(parts.fields) or not keep:
+            return call
+        self.log.counts["empty_concat"] += 1
+        if len(keep) == 1:
+            return keep[0]
+        return relax.op.concat(keep, axis)
+
+    # ---- x ** 3 (GPT-2's tanh GELU) -----------------------------------------------------
+    def integer_power(self, call: relax.Call) -> Any:
+        """``power(x, n)`` for a constant n in 2..4 -> multiplies.
+
+        CUDA compiled with fast math computes ``powf(x, 3)`` as ``exp2(3 * log2(x))``: NaN for
+        every negative x. GPT-2's GELU cubes its input, so the whole model returned NaN on an
+        H200 until this rewrite (benchmarks/results/models_gpu.md).
+        """
+        n = _scalar(self.value(call.args[1]))
+        if n is None or n not in (2.0, 3.0, 4.0):
+            return call
+        x = call.args[0]
+        sq = self.emit(relax.op.multiply(x, x), "sq")
+        self.log.counts["integer_power"] += 1
+        if n == 2.0:
+            return sq
+        if n == 3.0:
+            return relax.op.multiply(sq, x)
+        return relax.op.multiply(sq, sq)
+
+    # ---- decomposed attention ------------------------------------------------------------
+    def strip_scale(self, expr: Any) -> tuple[Any, float]:
+        """Peel ``x * c`` / ``x / c`` (c a scalar constant) off ``expr``: (x, product of c)."""
+        scale = 1.0
+        while True:
+            val = self.value(expr)
+            op = _op(val)
+            if op in ("relax.multiply", "relax.divide"):
+                a, b = val.args
+                c = _scalar(self.value(b))
+                if c is None and op == "relax.multiply":
+                    c = _scalar(self.value(a))
+                    a = b
+                if c is None or c == 0.0:
+                    return expr, scale
+                scale *= c if op == "relax.multiply" else 1.0 / c
+                expr = a
+                continue
+            return expr, scale
+
+    def decomposed(self, call: relax.Call) -> Any:
+        """``matmul(softmax(scale * q @ kT [+ mask], -1), v)`` (4-D, [B, N, S, H]) -> attention."""
+        probs = self.value(call.args[0])
+        v = call.args[1]
+        safe = False
+        if _op(probs) == "relax.where":  # where(isnan(p), 0, p): PyTorch's safe softmax
+            cond, zero, p = (self.value(a) for a in probs.args)
+            if _op(cond) == "relax.isnan" and _scalar(zero) == 0.0:
+                inner = self.value(cond.args[0])
+                if _op(inner) == "relax.nn.softmax" and self.value(probs.args[2]).same_as(inner):
+                    probs, safe = inner, True
+            _ = p
+        if _op(probs) != "relax.nn.softmax" or _ndim(call) != 4:
+            return call
+        if int(probs.attrs.axis) not in (-1, 3):
+            return call
+        scores = probs.args[0]
+        scores_v = self.value(scores)
+        mask = None
+        if _op(scores_v) == "relax.add":
+            a, b = scores_v.args
+            if _op(self.value(self.strip_scale(a)[0])) == "relax.matmul":
+                scores, mask = a, b
+            elif _op(self.value(self.strip_scale(b)[0])) == "relax.matmul":
+                scores, mask = b, a
+            else:
+                return call
+        scores, s_out = self.strip_scale(scores)
+        mm = self.value(scores)
+        if _op(mm) != "relax.matmul":
+            return call
+        q, s_q = self.strip_scale(mm.args[0])
+        kt, s_k = self.strip_scale(mm.args[1])
+        if not (_ndim(q) == _ndim(kt) == _ndim(v) == 4):
+            return call
+        qs, kts, vs = _shape(q), _shape(kt), _shape(v)
+        if qs is None or kts is None or vs is None:
+            return call
+        if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[:2] == vs[:2] == kts[:2]):
+            return call
+        dtype = _dtype(call)
+        if mask is not None:
+            if _ndim(mask) > 4:
+                return call
+            while _ndim(mask) < 4:
+                mask = self.emit(relax.op.expand_dims(mask, 0))
+            if _dtype(mask) != dtype:
+                mask = self.emit(relax.op.astype(mask, dtype))
+        scale = s_out * s_q * s_k
+        to_bsnh = [0, 2, 1, 3]
+        qb = self.emit(relax.op.permute_dims(q, to_bsnh))
+        kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
+        vb = self.emit(relax.op.permute_dims(v, to_bsnh))
+        call_att, tag = self.log.tagged(
+            relax.op.nn.attention(qb, kb, vb, mask, tirx.FloatImm("float32", scale))
+        )
+        att = self.emit(call_att, "attn")
+        self.log.sites.append(
+            (
+                "decomposed_attention",
+                tag,
+                f"matmul -> scale {scale:.6g} -> "
+                + ("mask -> " if mask is not None else "")
+                + ("softmax (NaN-safe) -> " if safe else "softmax -> ")
+                + "matmul recovered as one attention",
+            )
+        )
+        self.log.counts["decomposed_attention"] += 1
+        return relax.op.permute_dims(att, to_bsnh)
+
+    # ---- separate q/k/v projections -> one stacked projection ---------------------------
+    def projection(self, expr: Any) -> tuple[Any, Any, Any, list[int], Any] | None:
+        """``reshape(cast?(matmul(x, w)) [+ b], [B, S, N, H])`` -> (x, w, b, [B, S, N, H],
+        the matmul call). ``cast`` is the float32-accumulate-then-cast a float16 export emits."""
+        r = self.value(expr)
+        if _op(r) != "relax.reshape":
+            return None
+        out = _shape(r)
+        y = self.value(r.args[0])
+        bias = None
+        if _op(y) == "relax.add":
+            a, b = y.args
+            if _ndim(b) == 1 and _ndim(a) > 1:
+                y, bias = self.value(a), b
+            elif _ndim(a) == 1 and _ndim(b) > 1:
+                y, bias = self.value(b), a
+            else:
+                return None
+        if _op(y) == "relax.astype":
+            y = self.value(y.args[0])
+        if _op(y) != "relax.matmul" or out is None or len(out) != 4:
+            return None
+        x, w = y.args
+        if _ndim(w) != 2 or _ndim(x) not in (2, 3):
+            return None
+        return x, w, bias, out, y
+
+    def combine_qkv(self, call: relax.Call) -> Any:
+        """q, k, v each ``reshape(x @ w_i + b_i)`` of one ``x``: concat the weights, one matmul,
+        one split on the feature axis of ``[B, S, 3C]``: the stacked layout the kernel reads."""
+        projs = [self.projection(a) for a in call.args[:3]]
+        if any(p is None for p in projs):
+            return call
+        xs = [p[0] for p in projs]  # type: ignore[index]
+        if not (xs[0].same_as(xs[1]) and xs[0].same_as(xs[2])):
+            return call
+        if len({id(p[1]) for p in projs}) != 3:  # type: ignore[index]
+            return call
+        has_bias = [p[2] is not None for p in projs]  # type: ignore[index]
+        if any(has_bias) and not all(has_bias):
+            return call
+        b, s = projs[0][3][0], projs[0][3][1]  # type: ignore[index]
+        widths = [_shape(p[1])[1] for p in projs]  # type: ignore[index]
+        xshape = _shape(xs[0])
+        dtypes = {_dtype(p[1]) for p in projs} | {_dtype(xs[0])}  # type: ignore[index]
+        if xshape is None or len(dtypes) != 1:
+            return call
+        if int(np.prod(xshape[:-1])) != b * s:
+            return call
+        for p, w in zip(projs, widths, strict=True):
+            if p[3][:2] != [b, s] or p[3][2] * p[3][3] != w:  # type: ignore[index]
+                return call
+        x = xs[0]
+        mm = projs[0][4]  # type: ignore[index]
+        weight = self.emit(relax.op.concat([p[1] for p in projs], axis=1), "qkv_w")  # type: ignore[index]
+        y = self.emit(relax.op.matmul(x, weight, out_dtype=mm.attrs.out_dtype), "qkv_mm")
+        if _dtype(y) != _dtype(xs[0]):
+            y = self.emit(relax.op.astype(y, _dtype(xs[0])), "qkv_mm")
+        if all(has_bias):
+            bias = self.emit(relax.op.concat([p[2] for p in projs], axis=0), "qkv_b")  # type: ignore[index]
+            y = self.emit(relax.op.add(y, bias), "qkv_mm")
+        qkv = self.emit(relax.op.reshape(y, [b, s, sum(widths)]), "qkv")
+        parts = self.emit(
+            relax.op.split(qkv, [widths[0], widths[0] + widths[1]], axis=2), "qkv_split"
+        )
+        new = [
+            self.emit(relax.op.reshape(relax.TupleGetItem(parts, i), p[3]), "qkv_" + "qkv"[i])  # type: ignore[index]
+            for i, p in enumerate(projs)
+        ]
+        out = relax.Call(call.op, [*new, *call.args[3:]], call.attrs, call.ty_args, call.span)
+        att, tag = self.log.tagged(out, call)
+        self.log.sites.append(
+            (
+                "combine_qkv",
+                tag,
+                "separate q/k/v projections of one input combined into one matmul + split "
+                f"({'+'.join(map(str, widths))} columns): the stacked layout",
+            )
+        )
+        self.log.counts["combine_qkv"] += 1
+        return att
+
+    # ---- constant masks ------------------------------------------------------------------
+    def constant_mask(self, call: relax.Call) -> Any:
+        bias = self.value(call.args[3])
+        if not isinstance(bias, ir.expr.GenericConst):
+            return call
+        arr = bias.value.numpy().astype(np.float32)
+        if arr.ndim != 4:
+            return call
+        attrs = call.attrs
+        if attrs.window_size is not None:
+            return call
+        causal = attrs.causal_mask if attrs.causal_mask is not None else "none"
+        keep = arr > MASKED
+        open_ = arr[keep]
+        if open_.size and np.any(open_ != 0.0):
+            return call  # a real additive bias (ALiBi, relative positions): keep it
+        sq, skv = arr.shape[2], arr.shape[3]
+        i = np.arange(sq)[:, None]
+        j = np.arange(skv)[None, :]
+        want: dict[str, np.ndarray] = {
+            "none": np.ones((sq, skv), bool),
+            "TopLeft": j <= i,
+            "BottomRight": j <= i + (skv - sq),
+        }
+        # the bias must be the same for every batch entry and head
+        pattern = np.broadcast_to(keep, arr.shape).reshape(-1, sq, skv)
+        if not np.all(pattern == pattern[0]):
+            return call
+        effective = pattern[0] & want[str(causal)]
+        new_causal = None
+        for name in ("none", "TopLeft", "BottomRight"):
+            if np.array_equal(effective, want[name] & want[str(causal)]):
+                if name == "none" or causal in ("none", name):
+                    new_causal = str(causal) if name == "none" else name
+                break
+        if new_causal is None:
+            return call
+        found = "none" if new_causal == causal else new_causal
+        q, k, v = call.args[:3]
+        att, tag = self.log.tagged(
+            relax.op.nn.attention(
+                q,
+                k,
+                v,
+                None,
+                attrs.scale,
+                causal_mask=None if new_causal == "none" else new_causal,
+            ),
+            call,
+        )
+        what = "attends everywhere: bias dropped" if found == "none" else f"is causal ({found})"
+        self.log.sites.append(("constant_mask", tag, f"constant {list(arr.shape)} mask {what}"))
+        self.log.counts["constant_mask"] += 1
+        return att
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------
+_MESSAGES = {
+    "transpose_pairs": "{n} transpose(s) composed, cancelled or moved below a split/slice",
+    "empty_concat": "{n} concat(s) with zero-width operands simplified",
+    "integer_power": "{n} power(x, 2|3|4) written as multiplies (fast-math powf is NaN for x < 0)",
+}
+
+
+def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
+    mod = relax.transform.DeadCodeElimination()(mod)
+    mod = relax.transform.CanonicalizeBindings()(mod)
+    return relax.transform.RemoveRedundantReshape()(mod)
+
+
+def _run_local(mod: tvm.IRModule, log: _Log, combine: bool) -> tvm.IRModule:
+    for _ in range(MAX_ROUNDS):
+        before = sum(log.counts.values())
+        out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
+        for gv, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function):
+                out[gv] = _Local(mod, log, combine).visit_expr(func)
+        mod = _simplify(out)
+        if sum(log.counts.values()) == before:
+            break
+    return mod
+
+
+def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
+    """rewrite tag -> (function, index among its attention calls, binding name); the index
+    is the one partition's site ids use (binding order)."""
+    out: dict[str, tuple[str, int, str]] = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function):
+            continue
+        n = 0
+        for block in func.body.blocks:
+            for b in block.bindings:
+                if _op(b.value) in ATTENTION_OPS:
+                    tag = _tag_of(b.value)
+                    if tag is not None:
+                        out[tag] = (gv.name_hint, n, str(b.var.name))
+                    n += 1
+    return out
 
 
 def normalize(mod: tvm.IRModule, options: CompileOptions) -> tuple[tvm.IRModule, list[Rewrite]]:
-    """Put bindings into dataflow blocks (the leak check needs DataflowVars) and canonicalize."""
+    """Apply the rewrites above; return the module and one report entry per rewrite that fired."""
     rewrites: list[Rewrite] = []
+    log = _Log()
     before = mod
     mod = relax.transform.ConvertToDataflow(min_size=1)(mod)
     mod = relax.transform.CanonicalizeBindings()(mod)
     if not tvm_ffi.structural_equal(before, mod):
         rewrites.append(Rewrite(rewrite="dataflow", message="bindings moved into dataflow blocks"))
+    mod = relax.transform.EliminateCommonSubexpr()(mod)  # three reshape(x) -> one
+    mod = _run_local(mod, log, combine=options.fuse_stacked)
+    sites = _attention_sites(mod)
+    for name, tag, message in log.sites:
+        fn, idx, binding = sites.get(tag, ("main", -1, "?"))
+        where = Where(
+            function=fn[:128],
+            site=f"{fn}/attention#{idx}" if idx >= 0 else "?",
+            binding=binding[:128],
+        )
+        rewrites.append(Rewrite(rewrite=name, where=where, message=message))
+    for name, template in _MESSAGES.items():
+        if log.counts[name]:
+            rewrites.append(Rewrite(rewrite=name, message=template.format(n=log.counts[name])))
     return mod, rewrites

@@ -65,7 +65,9 @@ class PatternDef:
 
 
 def _pattern_defs() -> list[PatternDef]:
-    defs: list[PatternDef] = []
+    # interleaved first: it passes silently over the blocked layout, while the blocked
+    # analysis would report a rank-5 interleaved tensor as a failure of its own
+    defs: list[PatternDef] = _interleaved_defs()
     for variant in ("split", "strided_slice"):
         for bias in (True, False):
             pat, ann = make_stacked_attention_pattern(start_op=variant, with_bias=bias)
@@ -75,6 +77,48 @@ def _pattern_defs() -> list[PatternDef]:
         pat, ann = make_attention_pattern(with_bias=bias)
         name = f"{CODEGEN}.attention" + ("_bias" if bias else "")
         defs.append(PatternDef(name, "plain", "none", bias, pat, {**ann, "attention": pat}))
+    return defs
+
+
+def _interleaved_defs() -> list[PatternDef]:
+    """Per-head interleaved packing (GPT-NeoX, Falcon, Bloom): within each head's ``3H``
+    columns lie q, k, v. ``qkv[B, S, N, 3H] -> split(axis 3) | strided_slice x3 -> attention``
+    and ``qkv[B, S, N, 3, H] -> split(axis 3) -> reshape|squeeze x3 -> attention``.
+
+    The reshape that makes ``[B, S, N, 3H]`` from ``[B, S, 3NH]`` stays outside the pattern (it
+    is a view): the kernel's operand is then rank 4 or 5 with batch and sequence leading, read
+    at offsets 0, H, 2H with head stride 3H.
+    """
+    from tvm.relax.dpl.pattern import is_op, is_tuple_get_item, wildcard
+
+    defs: list[PatternDef] = []
+    for form in ("interleaved", "interleaved_slice", "interleaved_5d"):
+        for bias in (True, False):
+            qkv = wildcard()
+            ann: dict[str, DFPattern] = {"stacked_qkv": qkv}
+            if form == "interleaved_slice":
+                pieces = []
+                for name in ("query", "key", "value"):
+                    sl = is_op("relax.strided_slice")(qkv, varg_default_wildcard=True)
+                    ann[f"strided_slice_{name}"] = sl
+                    pieces.append(sl)
+            else:
+                split = is_op("relax.split")(qkv)
+                ann["split"] = split
+                pieces = [is_tuple_get_item(split, i) for i in range(3)]
+                if form == "interleaved_5d":
+                    pieces = [
+                        is_op("relax.reshape")(p, wildcard()) | is_op("relax.squeeze")(p)
+                        for p in pieces
+                    ]
+            if bias:
+                ann["bias"] = b = wildcard()
+                out = is_op("relax.nn.attention_bias")(*pieces, b)
+            else:
+                out = is_op("relax.nn.attention")(*pieces)
+            ann["attention"] = out
+            name = f"{CODEGEN}.stacked_attention.{form}" + ("_bias" if bias else "")
+            defs.append(PatternDef(name, "stacked", "interleaved", bias, out, ann))
     return defs
 
 
@@ -498,6 +542,8 @@ def analyze(
     ``leaks`` lists (variable, role) of intermediates used outside the candidate. ``params``,
     for a fused function, are its parameters: the kernel's arguments in order.
     """
+    if pdef.variant == "interleaved":
+        return analyze_interleaved(pdef, ann, operand_index, leaks, params)
     an = Analysis(pdef)
     call = ann["attention"]
     bias = ann.get("bias")
@@ -619,6 +665,194 @@ def analyze(
         num_operands=len(shapes),
         bias=BiasSpec(operand_index(bias), facts["bias_shape"]) if bias is not None else None,
         packing="blocked" if pdef.kind == "stacked" else "separate",
+        operand_shapes=shapes,
+    )
+    return an
+
+
+_INTERLEAVED_5D = f"{CODEGEN}.stacked_attention.interleaved_5d"
+
+
+def _interleaved_columns(
+    an: Analysis, ann: dict[str, relax.Expr], qkv_shape: list[Any]
+) -> dict[str, int] | None:
+    """Column offset of q, k, v within one head's packed block (the last axis for rank 4, the
+    ``3`` axis times H for rank 5), from the split or the slices."""
+    rank = len(qkv_shape)
+    if "split" in ann:
+        split = ann["split"]
+        axis = int(split.attrs.axis)
+        if axis < 0:
+            axis += rank
+        if axis != 3:
+            an.fail(
+                "split_axis",
+                3,
+                axis,
+                f"split axis is {axis}; interleaved fusion needs axis 3 (the per-head q|k|v "
+                "axis of [batch, seq, heads, 3*head_dim] or [batch, seq, heads, 3, head_dim])",
+            )
+            return None
+        width = dim_value(qkv_shape[3])
+        ios = split.attrs.indices_or_sections
+        if _is_int_imm(ios):
+            n = int(ios if isinstance(ios, int) else ios.value)
+            if n != 3:
+                an.fail(
+                    "split_sections",
+                    3,
+                    n,
+                    f"split makes {n} equal sections; interleaved fusion needs exactly 3",
+                )
+                return None
+            if not isinstance(width, int):
+                an.fail("static_feature_dim", "static", "symbolic", "packed axis is symbolic")
+                return None
+            step = width // 3 if rank == 4 else 1
+            cols = {"q": 0, "k": step, "v": 2 * step}
+        else:
+            idx = const_ints(ios)
+            if idx is None or len(idx) != 2:
+                an.fail(
+                    "split_sections",
+                    "2 split indices (3 sections)",
+                    "symbolic" if idx is None else f"{len(idx)} indices",
+                    "split must cut the packed axis into exactly 3 static sections (q, k, v)",
+                )
+                return None
+            cols = {"q": 0, "k": idx[0], "v": idx[1]}
+        if rank == 5:
+            h = dim_value(qkv_shape[4])
+            if not isinstance(h, int):
+                an.fail("static_feature_dim", "static", "symbolic", "head dim is symbolic")
+                return None
+            cols = {r: c * h for r, c in cols.items()}
+        return cols
+    cols = {}
+    for role, name in (("q", "query"), ("k", "key"), ("v", "value")):
+        sl = ann[f"strided_slice_{name}"]
+        axes = const_ints(sl.args[1])
+        begins = const_ints(sl.args[2])
+        strides = const_ints(sl.args[4]) if len(sl.args) > 4 else [1]
+        if axes is None or begins is None or strides is None:
+            an.fail(
+                "slice_static",
+                "constant axes/begin/end/strides",
+                "symbolic",
+                f"the {role} strided_slice has non-constant bounds",
+            )
+            return None
+        if axes != [3] or strides != [1] or begins[0] < 0:
+            an.fail(
+                "slice_axis",
+                "axes [3], stride 1, begin >= 0",
+                f"axes {axes}, strides {strides}, begin {begins}",
+                f"the {role} strided_slice must take a contiguous range of axis 3",
+            )
+            return None
+        cols[role] = begins[0]
+    return cols
+
+
+def analyze_interleaved(
+    pdef: PatternDef,
+    ann: dict[str, relax.Expr],
+    operand_index: Callable[[relax.Expr], int],
+    leaks: list[tuple[str, str]] | None = None,
+    params: list[relax.Var] | None = None,
+) -> Analysis:
+    """:func:`analyze` for the per-head interleaved layout: q at column 0, k at H, v at 2H of
+    each head's block, head stride 3H, row stride N*3H (elements)."""
+    an = Analysis(pdef)
+    call = ann["attention"]
+    bias = ann.get("bias")
+    qkv = ann["stacked_qkv"]
+    q, k, v = call.args[0], call.args[1], call.args[2]
+    qkv_shape = shape_of(qkv)
+    nd = qkv.ty.ndim
+    # another layout altogether (the blocked [B, S, 3NH] one): not a candidate, no failure
+    if qkv_shape is None or nd != (5 if pdef.name.startswith(_INTERLEAVED_5D) else 4):
+        return an
+    if nd == 5 and dim_value(qkv_shape[3]) != 3:
+        return an
+    an.shapes["qkv"] = [dim_label(d) for d in qkv_shape]
+    if leaks:
+        var, role = leaks[0]
+        an.fail(
+            "no_leak",
+            "q/k/v intermediates used only by attention",
+            f"'{var[:64]}' ({role}) used elsewhere",
+            f"'{var[:64]}' (the {role}) is also used outside the attention pattern; fusing "
+            "would drop it, so stacked fusion needs q/k/v intermediates used only by attention",
+        )
+    cols = _interleaved_columns(an, ann, qkv_shape)
+    facts = _check_common(an, call, q, k, v, bias)
+    if cols is None or facts is None:
+        return an
+    per_head = int(dim_value(qkv_shape[3])) if nd == 4 else 3 * int(dim_value(qkv_shape[4]))
+    heads = dim_value(qkv_shape[2])
+    for role, t in (("q", q), ("k", k), ("v", v)):
+        ts = shape_of(t)
+        assert ts is not None
+        hd = facts["hv"] if role == "v" else facts["h"]
+        ok = (
+            same_dim(ts[0], qkv_shape[0])
+            and same_dim(ts[1], qkv_shape[1])
+            and heads == facts["nq"]
+            and cols[role] + hd <= per_head
+        )
+        if not ok:
+            an.fail(
+                "reshape_shape",
+                f"[{dim_label(qkv_shape[0])}, {dim_label(qkv_shape[1])}, {heads}, H] inside "
+                f"each head's {per_head} columns",
+                [dim_label(d) for d in ts],
+                f"the {role} piece is not a [B, S, N, H] slice of the packed per-head block",
+            )
+    if facts["nkv"] != facts["nq"]:
+        return an
+    if an.failures:
+        return an
+    src = operand_index(qkv)
+    row = int(heads) * per_head
+    acc = {
+        r: TensorAccess(src, cols[r], row, per_head) for r in ("q", "k", "v")
+    }
+    an.order = "".join(sorted("qkv", key=lambda r: cols[r]))
+    aligned = _check_alignment(
+        an, facts["dtype"], acc["q"], acc["k"], acc["v"], facts["h"], facts["hv"],
+        facts["bias_shape"],
+    )
+    if aligned is None:
+        return an
+    inputs = [qkv] + ([bias] if bias is not None else [])
+    shapes: tuple[tuple[int | str, ...] | None, ...]
+    if params is None:
+        shapes = tuple(tuple(dim_value(d) for d in (shape_of(e) or [])) for e in inputs)
+    else:
+        shapes = tuple(
+            tuple(dim_value(d) for d in (shape_of(p_) or []))
+            if isinstance(p_.ty, relax.TensorType)
+            else None
+            for p_ in params
+        )
+    an.spec = AttentionSpec(
+        dtype=facts["dtype"],
+        batch=dim_value(facts["b"]),
+        seq_q=dim_value(facts["s"]),
+        seq_kv=dim_value(facts["s"]),
+        num_q_heads=facts["nq"],
+        num_kv_heads=facts["nkv"],
+        head_dim=facts["h"],
+        head_dim_v=facts["hv"],
+        scale=facts["scale"],
+        causal=facts["causal"],
+        q=acc["q"],
+        k=acc["k"],
+        v=acc["v"],
+        num_operands=len(shapes),
+        bias=BiasSpec(operand_index(bias), facts["bias_shape"]) if bias is not None else None,
+        packing="per_head",
         operand_shapes=shapes,
     )
     return an

@@ -1,0 +1,296 @@
+"""Whole models on the GPU: Hugging Face architectures -> `stackfuse import` -> one library,
+checked against PyTorch eager and timed against eager and torch.compile.
+
+Two halves, like :mod:`benchmarks.gpu_cases`:
+
+    python -m benchmarks.models_gpu build .gpu/models     # here: torch CPU + TVM + nvcc
+    python -m benchmarks.models_gpu check .gpu/models OUT # there: torch CUDA + runtime TVM
+
+Weights do not travel: :mod:`tests.hf_models` draws every parameter from a seeded generator, so
+the GPU side rebuilds the identical model; a sha256 of the state dict, taken on both sides,
+proves it. The library is called as ``main(ids, *params)`` with ``params`` taken from that state
+dict by the manifest's ``origin`` (state-dict key or ONNX initializer name).
+
+Reference and tolerance: outputs are compared with the same model in PyTorch eager in float32
+(TF32 off). The float16 libraries are judged against what PyTorch's own float16 eager run gets
+wrong on the same inputs: ``rel_err(ours) <= max(2 * rel_err(eager fp16), 5e-3)``, with
+``rel_err = ||out - ref|| / ||ref||``; the float32 (ONNX) library must reach ``1e-3``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: (case, model, route, dtype)
+CASES: list[tuple[str, str, str, str]] = [
+    ("gpt2_fp16", "gpt2", "torch", "float16"),
+    ("bert_fp16", "bert", "torch", "float16"),
+    ("neox_fp16", "neox", "torch", "float16"),
+    ("gpt2_onnx_fp32", "gpt2", "onnx", "float32"),
+]
+BATCH, SEQ = 4, 256
+WARMUP, ITERS = 10, 50
+
+
+def state_digest(model: Any) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# build (here)
+# --------------------------------------------------------------------------------------------
+def build(out_dir: Path, names: list[str] | None = None) -> None:
+    import numpy as np
+    import torch
+
+    from service.spec import CompileOptions, Target
+    from tests.hf_models import build as build_model
+    from tests.hf_models import example_ids
+    from worker.importers import import_model
+    from worker.pipeline import compile_module
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for case, name, route, dtype in CASES:
+        if names and case not in names:
+            continue
+        t0 = time.monotonic()
+        work = out_dir / case
+        work.mkdir(parents=True, exist_ok=True)
+        model = build_model(name)
+        digest = state_digest(model)
+        ids = example_ids(name, BATCH, SEQ)
+        tmp = Path("/tmp/stackfuse-models") / case
+        tmp.mkdir(parents=True, exist_ok=True)
+        if route == "onnx":
+            onnx_path = tmp / "model.onnx"
+            torch.onnx.export(model, (ids,), str(onnx_path), dynamo=True, input_names=["ids"])
+            src: Any = onnx_path
+            module_json = import_model(src, out=tmp / "model.json")
+        else:
+            module_json = import_model(
+                model, example_inputs=(ids,), out=tmp / "model.json", dtype=dtype
+            )
+        res = compile_module(
+            module_json.read_bytes(),
+            target=Target(arch="sm_90"),
+            options=CompileOptions(validate_on_gpu="never"),
+            out_dir=tmp / "build",
+        )
+        manifest = json.loads((tmp / "model.inputs.json").read_text())
+        state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+        extra: dict[str, Any] = {}
+        with np.load(tmp / "model.params.npz") as data:
+            for p in manifest["params"]:
+                arr = data[p["name"]]
+                ref = state.get(p["origin"])
+                if ref is None or ref.shape != arr.shape or not np.allclose(ref, arr, atol=1e-3):
+                    extra[p["name"]] = arr
+        if extra:
+            np.savez(work / "extra_params.npz", **extra)
+        (work / "model.so").write_bytes((tmp / "build" / "model.so").read_bytes())
+        (work / "report.json").write_text(res.report.model_dump_json(indent=2))
+        s = res.report.summary
+        case_doc = {
+            "case": case,
+            "model": name,
+            "route": route,
+            "dtype": dtype,
+            "batch": BATCH,
+            "seq": SEQ,
+            "state_sha256": digest,
+            "manifest": manifest,
+            "sites": s.attention_sites,
+            "fused_stacked": s.fused_stacked,
+            "fused_plain": s.fused_plain,
+            "rewrites": sorted({r.rewrite for r in res.report.normalizations}),
+            "variants": [m.variant for m in res.report.matches],
+            "build_seconds": round(time.monotonic() - t0, 1),
+        }
+        (work / "case.json").write_text(json.dumps(case_doc, indent=2))
+        print(
+            f"built {case}: {s.fused_stacked}/{s.attention_sites} stacked, "
+            f"{s.fused_plain} plain, {len(extra)} extra params, {time.monotonic() - t0:.1f}s",
+            flush=True,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# check (GPU)
+# --------------------------------------------------------------------------------------------
+def _time_cuda(fn: Any, torch: Any) -> float:
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(ITERS):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0)  # us
+    return statistics.median(times)
+
+
+def _rel(a: Any, b: Any) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from tests.hf_models import build as build_model
+    from tests.hf_models import example_ids
+    from worker.toolchain import import_tvm
+
+    tvm = import_tvm()
+    import tvm_ffi
+    from tvm.runtime.vm import VirtualMachine
+
+    doc = json.loads((case_dir / "case.json").read_text())
+    row: dict[str, Any] = {k: doc[k] for k in ("case", "model", "route", "dtype", "batch", "seq")}
+    row.update(sites=doc["sites"], fused_stacked=doc["fused_stacked"], variants=doc["variants"])
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = build_model(doc["model"])
+    row["weights_identical"] = state_digest(model) == doc["state_sha256"]
+    ids = example_ids(doc["model"], doc["batch"], doc["seq"]).cuda()
+    state = {k: v for k, v in model.state_dict().items()}
+    extra = {}
+    if (case_dir / "extra_params.npz").exists():
+        with np.load(case_dir / "extra_params.npz") as data:
+            extra = {k: torch.from_numpy(data[k]) for k in data.files}
+    dt = getattr(torch, doc["dtype"])
+    params = []
+    for p in doc["manifest"]["params"]:
+        t = extra[p["name"]] if p["name"] in extra else state[p["origin"]]
+        params.append(t.to(getattr(torch, p["dtype"])).cuda().contiguous())
+    ref_model = model.float().cuda().eval()
+    with torch.no_grad():
+        ref = ref_model(ids)
+        run_model = build_model(doc["model"]).to(dt).cuda().eval()
+        eager_out = run_model(ids)
+    vm = VirtualMachine(tvm.runtime.load_module(str(case_dir / "model.so")), tvm.cuda(0))
+    args = [tvm.runtime.from_dlpack(t) for t in [ids, *params]]
+    main = vm["main"]
+
+    def ours() -> Any:
+        with tvm_ffi.use_torch_stream():
+            return main(*args)
+
+    got = torch.from_dlpack(ours())
+    torch.cuda.synchronize()
+    row["finite"] = bool(torch.isfinite(got.float()).all())
+    row["max_abs_error"] = float((got.float() - ref).abs().max())
+    row["rel_error"] = _rel(got, ref)
+    row["eager_rel_error"] = _rel(eager_out, ref)
+    row["eager_max_abs_error"] = float((eager_out.float() - ref).abs().max())
+    tol = 1e-3 if doc["dtype"] == "float32" else max(2 * row["eager_rel_error"], 5e-3)
+    row["tolerance"] = tol
+    row["passed"] = row["finite"] and row["rel_error"] <= tol
+    with torch.no_grad():
+        row["eager_us"] = _time_cuda(lambda: run_model(ids), torch)
+        row["stackfuse_us"] = _time_cuda(ours, torch)
+        if time.monotonic() < deadline:
+            try:
+                t0 = time.monotonic()
+                compiled = torch.compile(run_model)
+                compiled(ids)
+                torch.cuda.synchronize()
+                row["torch_compile_seconds"] = round(time.monotonic() - t0, 1)
+                row["torch_compile_us"] = _time_cuda(lambda: compiled(ids), torch)
+            except Exception as exc:  # recorded, not fatal: the device may lack a compiler
+                row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        else:
+            row["torch_compile_error"] = "skipped: time budget"
+    return row
+
+
+def check(root: Path, out: Path, budget_s: float = 200.0) -> int:
+    import torch
+
+    deadline = time.monotonic() + budget_s
+    rows = []
+    for case_dir in sorted(p for p in root.iterdir() if (p / "case.json").exists()):
+        try:
+            row = check_one(case_dir, deadline)
+        except Exception as exc:  # every case reported, crashes included
+            row = {"case": case_dir.name, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.models_gpu check .gpu/models $OUT",
+        "timing": f"CUDA events, {WARMUP} warm-up calls, median of {ITERS}, microseconds",
+        "reference": "same model, PyTorch eager float32, TF32 off",
+        "results": rows,
+        "passed": sum(bool(r.get("passed")) for r in rows),
+        "total": len(rows),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "models_gpu.json").write_text(json.dumps(doc, indent=2))
+    print(f"{doc['passed']}/{doc['total']} passed")
+    return 0 if doc["passed"] == doc["total"] else 1
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# Whole models on {doc['device']} ({doc['date']})",
+        "",
+        f"Command: `{doc['command']}` (libraries built with `python -m benchmarks.models_gpu "
+        "build .gpu/models`). Torch " + doc.get("torch", "?") + ". " + doc["timing"] + ".",
+        f"Reference: {doc['reference']}.",
+        "",
+        "| case | sites | fused stacked | rel err (ours) | rel err (eager fp16) | max abs err | "
+        "passed | eager us | torch.compile us | stackfuse us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+
+        def f(key: str, fmt: str = "{:.3g}", r: dict[str, Any] = r) -> str:
+            v = r.get(key)
+            return fmt.format(v) if isinstance(v, int | float) else "-"
+
+        lines.append(
+            f"| {r['case']} | {r.get('sites', '-')} | {r.get('fused_stacked', '-')} | "
+            f"{f('rel_error')} | {f('eager_rel_error')} | {f('max_abs_error')} | "
+            f"{r.get('passed')} | {f('eager_us', '{:.1f}')} | {f('torch_compile_us', '{:.1f}')} | "
+            f"{f('stackfuse_us', '{:.1f}')} |"
+        )
+    errs = [r for r in doc["results"] if r.get("torch_compile_error") or r.get("error")]
+    for r in errs:
+        lines.append("")
+        lines.append(f"- {r['case']}: {r.get('error') or r.get('torch_compile_error')}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[0]
+    if cmd == "build":
+        build(Path(argv[1]), argv[2:] or None)
+        return 0
+    if cmd == "check":
+        return check(Path(argv[1]), Path(argv[2]))
+    if cmd == "markdown":
+        doc = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(to_markdown(doc))
+        return 0
+    raise SystemExit(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

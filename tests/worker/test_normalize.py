@@ -1,0 +1,302 @@
+"""Graph normalization: each rewrite fires on the exported form it targets, is reported, keeps
+the function's meaning (checked by running both versions on the CPU with LLVM) and lets the
+stacked patterns match."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import tvm_ffi
+from tvm import relax
+from tvm.script.ir_builder import IRBuilder
+from tvm.script.ir_builder import relax as rb
+
+from service.spec import CompileOptions
+from tests.models import R, T, tvm
+from worker.normalize import normalize
+from worker.partition import partition
+
+OPTS = CompileOptions()
+B, S, N, H = 2, 8, 2, 16
+C = N * H
+
+
+def _ops(mod: Any) -> list[str]:
+    ops: list[str] = []
+
+    def visit(e: Any) -> None:
+        if isinstance(e, relax.Call) and hasattr(e.op, "name"):
+            ops.append(e.op.name)
+
+    relax.analysis.post_order_visit(mod["main"].body, visit)
+    return ops
+
+
+def _run(mod: Any, args: list[np.ndarray]) -> np.ndarray:
+    exe = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def _same_meaning(before: Any, after: Any, args: list[np.ndarray]) -> None:
+    np.testing.assert_allclose(_run(after, args), _run(before, args), rtol=1e-4, atol=1e-5)
+
+
+def _rnd(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype("float32")
+
+
+def _names(rewrites: list[Any]) -> list[str]:
+    return [r.rewrite for r in rewrites]
+
+
+# --- exported SDPA: transposes around attention --------------------------------------------
+def sdpa_export_module(mask: np.ndarray | None = None) -> Any:
+    """What ``torch.export`` + our SDPA converter emit for GPT-2: split -> reshape ->
+    transpose [B,N,S,H] -> transpose back -> attention(+ constant mask) -> transposes."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        qkv = R.arg("qkv", R.Tensor((B, S, 3 * C), "float32"))
+        with R.dataflow() as frame:
+            parts = R.emit(R.split(qkv, [C, 2 * C], axis=2))
+            heads = []
+            for i in range(3):
+                r = R.emit(R.reshape(parts[i], [B, S, N, H]))
+                t = R.emit(R.permute_dims(r, [0, 2, 1, 3]))  # torch layout
+                heads.append(R.emit(R.permute_dims(t, [0, 2, 1, 3])))  # converter's
+            bias = R.const(mask) if mask is not None else None
+            out = R.emit(R.nn.attention(*heads, bias))
+            t = R.emit(R.permute_dims(out, [0, 2, 1, 3]))
+            back = R.emit(R.permute_dims(t, [0, 2, 1, 3]))
+            res = R.emit(R.reshape(back, [B, S, C]))
+            R.output(res)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def _causal(offset: int = 0, sq: int = S, skv: int = S) -> np.ndarray:
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    m = np.where(j <= i + offset, 0.0, np.finfo(np.float32).min).astype("float32")
+    return np.broadcast_to(m, (B, 1, sq, skv)).copy()
+
+
+def test_transpose_pairs_cancel_and_the_site_fuses_stacked() -> None:
+    mod = sdpa_export_module()
+    out, rewrites = normalize(mod, OPTS)
+    assert "relax.permute_dims" not in _ops(out)
+    assert "transpose_pairs" in _names(rewrites)
+    res = partition(out, OPTS)
+    assert [f.pattern.name for f in res.fused] == ["cutlass.stacked_attention.split"]
+    _same_meaning(mod, out, [_rnd(B, S, 3 * C)])
+
+
+def test_constant_causal_mask_becomes_causal_attention() -> None:
+    mod = sdpa_export_module(_causal())
+    out, rewrites = normalize(mod, OPTS)
+    (rw,) = [r for r in rewrites if r.rewrite == "constant_mask"]
+    assert "causal (TopLeft)" in rw.message
+    assert rw.where is not None and rw.where.site == "main/attention#0"
+    (m,) = partition(out, OPTS).match_entries()
+    assert (m.kind, m.bias, m.causal) == ("stacked", False, "TopLeft")
+    _same_meaning(mod, out, [_rnd(B, S, 3 * C)])
+
+
+def test_all_true_mask_is_dropped() -> None:
+    out, rewrites = normalize(sdpa_export_module(np.zeros((B, 1, S, S), "float32")), OPTS)
+    assert any("attends everywhere" in r.message for r in rewrites)
+    assert "relax.nn.attention_bias" not in _ops(out)
+
+
+def test_a_real_additive_bias_is_kept() -> None:
+    alibi = _rnd(B, 1, S, S) * 0.1
+    mod = sdpa_export_module(alibi)
+    out, rewrites = normalize(mod, OPTS)
+    assert "constant_mask" not in _names(rewrites)
+    assert "relax.nn.attention_bias" in _ops(out)
+    _same_meaning(mod, out, [_rnd(B, S, 3 * C)])
+
+
+def test_bottom_right_mask_is_recognised() -> None:
+    sq, skv = 4, S
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((B, sq, N, H), "float32"))
+        k = R.arg("k", R.Tensor((B, skv, N, H), "float32"))
+        v = R.arg("v", R.Tensor((B, skv, N, H), "float32"))
+        with R.dataflow() as frame:
+            out = R.emit(R.nn.attention(q, k, v, R.const(_causal(skv - sq, sq, skv))))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    out, rewrites = normalize(mod, OPTS)
+    assert any("BottomRight" in r.message for r in rewrites)
+    args = [_rnd(B, sq, N, H, seed=1), _rnd(B, skv, N, H, seed=2), _rnd(B, skv, N, H, seed=3)]
+    _same_meaning(mod, out, args)
+
+
+# --- decomposed attention --------------------------------------------------------------------
+def decomposed_module(scale_on: str, mask: bool, safe: bool) -> Any:
+    """ONNX-export style: q, k^T transposed (k through a batch-merged 3-D transpose), scaled,
+    masked, softmax (optionally PyTorch's NaN-safe form), times v, transposed back."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        qkv = R.arg("qkv", R.Tensor((B, S, 3 * C), "float32"))
+        mask_v = R.arg("mask", R.Tensor((B, 1, S, S), "float32")) if mask else None
+        with R.dataflow() as frame:
+            parts = R.emit(R.split(qkv, 3, axis=2))
+            q4, k4, v4 = (R.emit(R.reshape(parts[i], [B, S, N, H])) for i in range(3))
+            q = R.emit(R.permute_dims(q4, [0, 2, 1, 3]))
+            k = R.emit(R.permute_dims(k4, [0, 2, 1, 3]))
+            k3 = R.emit(R.reshape(k, [B * N, S, H]))
+            kt3 = R.emit(R.permute_dims(k3, [0, 2, 1]))
+            kt = R.emit(R.reshape(kt3, [B, N, H, S]))
+            v = R.emit(R.permute_dims(v4, [0, 2, 1, 3]))
+            half = R.const(np.float32(H**-0.25))
+            if scale_on == "qk":
+                q = R.emit(R.multiply(q, half))
+                kt = R.emit(R.multiply(kt, half))
+            scores = R.emit(R.matmul(q, kt))
+            if scale_on == "scores":
+                scores = R.emit(R.divide(scores, R.const(np.float32(H**0.5))))
+            if mask_v is not None:
+                scores = R.emit(R.add(scores, mask_v))
+            p = R.emit(R.nn.softmax(scores, axis=-1))
+            if safe:
+                nan = R.emit(R.isnan(p))
+                p = R.emit(R.where(nan, R.const(np.float32(0.0)), p))
+            o = R.emit(R.matmul(p, v))
+            o4 = R.emit(R.permute_dims(o, [0, 2, 1, 3]))
+            res = R.emit(R.reshape(o4, [B, S, C]))
+            R.output(res)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+@pytest.mark.parametrize(
+    ("scale_on", "mask", "safe"),
+    [("qk", True, True), ("scores", False, False), ("scores", True, False)],
+)
+def test_decomposed_attention_is_recovered(scale_on: str, mask: bool, safe: bool) -> None:
+    mod = decomposed_module(scale_on, mask, safe)
+    out, rewrites = normalize(mod, OPTS)
+    ops = _ops(out)
+    assert "relax.nn.softmax" not in ops and "relax.matmul" not in ops
+    (rw,) = [r for r in rewrites if r.rewrite == "decomposed_attention"]
+    assert f"scale {H**-0.5:.6g}" in rw.message
+    assert ("NaN-safe" in rw.message) is safe
+    (m,) = partition(out, OPTS).match_entries()
+    assert m.kind == "stacked" and m.bias is mask
+    assert m.scale == pytest.approx(H**-0.5)
+    args = [_rnd(B, S, 3 * C)] + ([_rnd(B, 1, S, S, seed=5)] if mask else [])
+    _same_meaning(mod, out, args)
+
+
+def test_decomposed_attention_with_constant_causal_mask_ends_causal() -> None:
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((B, N, S, H), "float32"))
+        k = R.arg("k", R.Tensor((B, N, S, H), "float32"))
+        v = R.arg("v", R.Tensor((B, N, S, H), "float32"))
+        with R.dataflow() as frame:
+            kt = R.emit(R.permute_dims(k, [0, 1, 3, 2]))
+            s = R.emit(R.multiply(R.matmul(q, kt), R.const(np.float32(0.25))))
+            s = R.emit(R.add(s, R.const(_causal())))
+            o = R.emit(R.matmul(R.nn.softmax(s, axis=-1), v))
+            R.output(o)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    out, rewrites = normalize(mod, OPTS)
+    assert {"decomposed_attention", "constant_mask"} <= set(_names(rewrites))
+    (m,) = partition(out, OPTS).match_entries()
+    assert (m.causal, m.bias, m.scale) == ("TopLeft", False, 0.25)
+    args = [_rnd(B, N, S, H, seed=i) for i in range(3)]
+    _same_meaning(mod, out, args)
+
+
+# --- separate q/k/v projections (BERT) ----------------------------------------------------------
+def bert_like_module(bias: bool = True) -> Any:
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((B, S, C), "float32"))
+        ws = [R.arg(f"w{r}", R.Tensor((C, C), "float32")) for r in "qkv"]
+        bs = [R.arg(f"b{r}", R.Tensor((C,), "float32")) for r in "qkv"] if bias else []
+        with R.dataflow() as frame:
+            heads = []
+            for i in range(3):
+                x2 = R.emit(R.reshape(x, [B * S, C]))
+                wt = R.emit(R.permute_dims(ws[i], [1, 0]))
+                y = R.emit(R.matmul(x2, wt))
+                if bias:
+                    y = R.emit(R.add(bs[i], y))
+                heads.append(R.emit(R.reshape(y, [B, S, N, H])))
+            out = R.emit(R.nn.attention(*heads))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_separate_projections_become_one_stacked_projection(bias: bool) -> None:
+    mod = bert_like_module(bias)
+    out, rewrites = normalize(mod, OPTS)
+    assert _ops(out).count("relax.matmul") == 1
+    (rw,) = [r for r in rewrites if r.rewrite == "combine_qkv"]
+    assert rw.where is not None and rw.where.site == "main/attention#0"
+    (m,) = partition(out, OPTS).match_entries()
+    assert (m.kind, m.variant) == ("stacked", "split")
+    args = [_rnd(B, S, C)] + [_rnd(C, C, seed=i) * 0.2 for i in range(3)]
+    args += [_rnd(C, seed=10 + i) for i in range(3)] if bias else []
+    _same_meaning(mod, out, args)
+
+
+def test_combine_is_off_when_stacked_fusion_is_off() -> None:
+    out, rewrites = normalize(bert_like_module(), CompileOptions(fuse_stacked=False))
+    assert "combine_qkv" not in _names(rewrites)
+    assert _ops(out).count("relax.matmul") == 3
+
+
+# --- partial rotary with no rotary dims -----------------------------------------------------
+def test_zero_width_concat_operands_are_dropped() -> None:
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((B, S, C), "float32"))
+        with R.dataflow() as frame:
+            empty = R.emit(R.strided_slice(x, [2], [0], [0]))
+            rot = R.emit(R.negative(empty))
+            y = R.emit(R.concat([rot, x], axis=-1))
+            R.output(y)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    out, rewrites = normalize(mod, OPTS)
+    assert "empty_concat" in _names(rewrites)
+    assert "relax.concat" not in _ops(out)
+
+
+def test_integer_power_becomes_multiplies() -> None:
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((B, S, C), "float32"))
+        with R.dataflow() as frame:
+            y = R.emit(R.power(x, R.const(np.float32(3.0))))
+            R.output(y)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    out, rewrites = normalize(mod, OPTS)
+    assert "integer_power" in _names(rewrites)
+    assert "relax.power" not in _ops(out)
+    _same_meaning(mod, out, [_rnd(B, S, C)])
+
+
+def test_a_plain_module_is_left_alone() -> None:
+    from tests.models import stacked_attention_module
+
+    mod = stacked_attention_module(2, 8, 4, 64)
+    out, rewrites = normalize(mod, OPTS)
+    assert rewrites == []
+    assert tvm_ffi.structural_equal(out, mod)
+
+
+_ = T

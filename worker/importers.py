@@ -1,0 +1,740 @@
+"""From a PyTorch module or an ONNX file to a Relax module the service accepts (`stackfuse import`).
+
+Runs on the client's own machine (it needs torch or onnx, which the service never imports). The
+output is three files side by side:
+
+- ``model.json``: the Relax module as TVM JSON, ready for ``/optimize``. Weights are *function
+  parameters* (``keep_params_as_input``): the JSON holds the graph and small constants only, so
+  it stays far below the service's 64 MiB body limit however large the model is.
+- ``model.params.npz``: the weights, keyed by parameter name, in ``main``'s parameter order.
+- ``model.inputs.json``: a manifest: the user inputs and the parameters, in calling order.
+
+The library built from ``model.json`` is called as ``main(*inputs, *params)``.
+
+PyTorch: ``torch.export`` with the core-ATen decompositions *except* scaled-dot-product attention,
+which stays one operator and becomes one ``R.nn.attention`` (TVM's own converter drops ``scale``
+and refuses boolean masks; ours keeps both). Whatever else is left is graph normalization's job
+(:mod:`worker.normalize`), which the service runs and reports.
+
+ONNX: external-data files must resolve inside the model's folder (no ``..``, no absolute paths,
+no links that lead out); anything else is refused before a byte of it is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.errors import InputError
+from worker.toolchain import import_tvm
+
+PARAMS_SUFFIX = ".params.npz"
+MANIFEST_SUFFIX = ".inputs.json"
+#: names that reach generated code must match this (service.wire.is_code_name); longer or odd
+#: names are shortened with a hash so that two names never collide
+_CODE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+#: function attributes the importers attach that the service refuses (ingest allow-list)
+_DROP_ATTRS = ("params", "tir_var_lower_bound", "tir_var_upper_bound")
+
+
+@dataclass
+class Imported:
+    """A Relax module plus the weights its ``main`` takes after the user inputs."""
+
+    mod: Any
+    params: dict[str, np.ndarray]
+    inputs: list[dict[str, Any]]
+    source: str
+    notes: list[str] = field(default_factory=list)
+    #: parameter name -> where its weight came from (the state_dict key, the ONNX initializer)
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def save(self, out: Path) -> Path:
+        """Write ``out`` (TVM JSON), the weights and the manifest beside it; return ``out``."""
+        tvm = import_tvm()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(tvm.ir.save_json(self.mod))
+        stem = out.with_suffix("")
+        np.savez(stem.with_name(stem.name + PARAMS_SUFFIX), **self.params)  # type: ignore[arg-type]
+        manifest = {
+            "source": self.source,
+            "inputs": self.inputs,
+            "params": [
+                {
+                    "name": k,
+                    "shape": list(v.shape),
+                    "dtype": str(v.dtype),
+                    "origin": self.origins.get(k, ""),
+                }
+                for k, v in self.params.items()
+            ],
+            "num_input": len(self.inputs),
+            "calling_convention": "main(*inputs, *params)",
+            "notes": self.notes,
+        }
+        stem.with_name(stem.name + MANIFEST_SUFFIX).write_text(json.dumps(manifest, indent=2))
+        return out
+
+
+def params_path(module_json: Path) -> Path:
+    stem = module_json.with_suffix("")
+    return stem.with_name(stem.name + PARAMS_SUFFIX)
+
+
+def load_params(module_json: Path) -> list[np.ndarray]:
+    """The weights written by :meth:`Imported.save`, in ``main``'s parameter order."""
+    with np.load(params_path(module_json)) as data:
+        return [data[k] for k in data.files]
+
+
+# --------------------------------------------------------------------------------------------
+# shared post-processing
+# --------------------------------------------------------------------------------------------
+def code_name(name: str, taken: set[str]) -> str:
+    """``name`` if the service accepts it as is, else a short, unique, hashed form of it."""
+    clean = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    if not clean or not clean[0].isalpha():
+        clean = "v_" + clean
+    if _CODE_NAME.match(clean) and clean not in taken:
+        return clean
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    cand = f"{clean[:52]}_{digest}"
+    n = 0
+    while cand in taken:
+        n += 1
+        cand = f"{clean[:48]}_{digest}_{n}"
+    return cand
+
+
+def _finish(mod: Any, num_input: int) -> tuple[Any, list[str]]:
+    """Rename parameters to code names, drop attributes the service refuses, fold constants.
+
+    Folding runs here, on the client, because exporters build masks and position tables from
+    ``arange``/``cumsum`` chains that depend on no input: folded, they become small constants
+    that normalization can recognise (a causal mask, an all-true mask) and the service's
+    operator allow-list never sees the ops that built them.
+    """
+    tvm = import_tvm()
+    from tvm import relax
+
+    notes: list[str] = []
+    func = mod["main"]
+    taken: set[str] = set()
+    renamed = 0
+    new_params = []
+    for p in func.params:
+        new = code_name(p.name, taken)
+        taken.add(new)
+        if new != p.name:
+            renamed += 1
+        new_params.append(relax.Var(new, p.ty))
+    bound = func.bind_params({old: nv for old, nv in zip(func.params, new_params, strict=True)})
+    if renamed:
+        notes.append(f"{renamed} parameter name(s) made code names ('.' -> '_', long ones hashed)")
+    old_attrs = dict(func.attrs.items()) if func.attrs is not None else {}
+    dropped = [k for k in old_attrs if k in _DROP_ATTRS and k != "params"]
+    if dropped:
+        notes.append(f"dropped function attributes {sorted(dropped)}")
+    new_func = relax.Function(new_params, bound.body, func.ret_ty, func.is_pure).with_attrs(
+        {"global_symbol": "main", "num_input": num_input}
+    )
+    out = tvm.IRModule({"main": new_func})
+    out, folded = fold_input_free(out)
+    if folded:
+        notes.append(f"folded {folded} input-free values (masks, position tables) to constants")
+    return out, notes
+
+
+#: input-free values larger than this stay computed (a folded [B, 1, S, S] mask is B*S*S bytes)
+FOLD_MAX_BYTES = 16 * 1024 * 1024
+
+
+def _nbytes(ty: Any) -> int | None:
+    shape = getattr(ty, "shape", None)
+    values = getattr(shape, "values", None)
+    if values is None:
+        return None
+    n = 1
+    for d in values:
+        if not hasattr(d, "value"):
+            return None
+        n *= int(d.value)
+    dtype = str(ty.dtype).removeprefix("T.")
+    return n * (1 if dtype == "bool" else np.dtype(dtype).itemsize)
+
+
+def fold_input_free(mod: Any) -> tuple[Any, int]:
+    """Evaluate, on the CPU, every value of ``main`` that depends on no input; bind constants.
+
+    TVM's FoldConstant folds only ``call_tir`` with constant arguments, not high-level ops such
+    as ``arange``, so exported mask and position chains survive it. Here the input-free bindings
+    are compiled for LLVM as one function, run once, and their results replace them.
+    """
+    tvm = import_tvm()
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class _StaticShapeOf(relax.PyExprMutator):
+        """``shape_of(x)`` of a statically shaped ``x`` is that shape (ONNX's Shape op)."""
+
+        def visit_call_(self, call: Any) -> Any:
+            call = super().visit_call_(call)
+            if isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.shape_of":
+                shape = getattr(call.args[0].ty, "shape", None)
+                if isinstance(shape, relax.ShapeExpr) and all(
+                    hasattr(d, "value") for d in shape.values
+                ):
+                    return relax.ShapeExpr([int(d.value) for d in shape.values])
+            return call
+
+    mod = tvm.IRModule({"main": _StaticShapeOf(mod).visit_expr(mod["main"])})
+    nd = relax.transform.ToNonDataflow()(mod)
+    func = nd["main"]
+    params = set(func.params)
+    const: dict[Any, Any] = {}
+    order: list[Any] = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if not isinstance(b, relax.VarBinding):
+                continue
+            value = b.value
+            if isinstance(value, relax.Function):
+                continue
+            if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
+                continue
+            free = relax.analysis.free_vars(value)
+            if any(v in params or v not in const for v in free):
+                continue
+            if isinstance(value, tvm.ir.expr.GenericConst):
+                continue
+            const[b.var] = b
+            order.append(b)
+    if not order:
+        return mod, 0
+    used_outside: set[Any] = set()
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if b.var in const:
+                continue
+            used_outside.update(relax.analysis.free_vars(b.value))
+    used_outside.update(relax.analysis.free_vars(func.body.body))
+    frontier = [
+        b.var
+        for b in order
+        if b.var in used_outside
+        and isinstance(b.var.ty, relax.TensorType)
+        and (_nbytes(b.var.ty) or FOLD_MAX_BYTES + 1) <= FOLD_MAX_BYTES
+    ]
+    if not frontier:
+        return mod, 0
+    bb = relax.BlockBuilder()
+    with bb.function("main", []):
+        for b in order:
+            bb.emit_normalized(b)
+        bb.emit_func_output(relax.Tuple(frontier))
+    fold = relax.transform.DeadCodeElimination(["main"])(bb.get())
+    exe = tvm.compile(fold, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    results = vm["main"]()
+    values = {
+        v: relax.const(results[i].numpy(), str(v.ty.dtype).removeprefix("T."))
+        for i, v in enumerate(frontier)
+    }
+
+    @relax.expr_functor.mutator
+    class _Bind(relax.PyExprMutator):
+        def visit_var_(self, var: Any) -> Any:
+            return values.get(var, var)
+
+    new = _Bind(nd).visit_expr(func)
+    out = tvm.IRModule({"main": new})
+    out = relax.transform.ConvertToDataflow(min_size=1)(out)
+    out = relax.transform.DeadCodeElimination(["main"])(out)
+    out = relax.transform.CanonicalizeBindings()(out)
+    return out, len(frontier)
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch
+# --------------------------------------------------------------------------------------------
+def _sdpa_converter(node: Any, importer: Any) -> Any:
+    """``aten.scaled_dot_product_attention`` -> one ``R.nn.attention`` between two transposes.
+
+    Keeps ``scale`` (TVM's own converter drops it), turns a boolean mask into an additive one
+    (``0`` where attended, the dtype's lowest finite value elsewhere: a fully masked row then
+    averages V instead of producing NaN), and maps ``is_causal`` to ``TopLeft`` as PyTorch does.
+    """
+    from tvm import relax, tirx
+
+    bb = importer.block_builder
+    env = importer.env
+    args = list(node.args) + [None] * (6 - len(node.args))
+    q, k, v = env[args[0]], env[args[1]], env[args[2]]
+    mask_node = args[3] if args[3] is not None else node.kwargs.get("attn_mask")
+    dropout = args[4] if args[4] is not None else node.kwargs.get("dropout_p", 0.0)
+    is_causal = args[5] if args[5] is not None else node.kwargs.get("is_causal", False)
+    scale = node.kwargs.get("scale")
+    if dropout:
+        raise InputError(
+            f"scaled_dot_product_attention with dropout_p={dropout}: export the model in eval mode"
+        )
+    if node.kwargs.get("enable_gqa"):
+        raise InputError("scaled_dot_product_attention with enable_gqa is not supported yet")
+    if q.ty.ndim != 4:
+        raise InputError(f"scaled_dot_product_attention on rank-{q.ty.ndim} tensors; need rank 4")
+    dtype = q.ty.dtype
+    perm = [0, 2, 1, 3]  # torch [B, N, S, H] <-> relax [B, S, N, H]
+    qt, kt, vt = (bb.emit(relax.op.permute_dims(t, perm)) for t in (q, k, v))
+    bias = None
+    if mask_node is not None:
+        mask = env[mask_node]
+        while mask.ty.ndim < 4:
+            mask = bb.emit(relax.op.expand_dims(mask, 0))
+        if str(mask.ty.dtype) in ("bool", "T.bool"):
+            lowest = (
+                float(np.finfo(np.dtype(str(dtype).removeprefix("T."))).min)
+                if str(dtype).removeprefix("T.") != "bfloat16"
+                else -3.3895313892515355e38
+            )
+            zero = relax.const(0.0, dtype)
+            low = relax.const(lowest, dtype)
+            mask = bb.emit(relax.op.where(mask, zero, low))
+        elif mask.ty.dtype != dtype:
+            mask = bb.emit(relax.op.astype(mask, dtype))
+        bias = mask
+    scale_imm = tirx.FloatImm("float32", float(scale)) if scale is not None else None
+    out = bb.emit(
+        relax.op.nn.attention(
+            qt, kt, vt, bias, scale_imm, causal_mask="TopLeft" if is_causal else None
+        )
+    )
+    return bb.emit(relax.op.permute_dims(out, perm))
+
+
+def _cumsum_converter(node: Any, importer: Any) -> Any:
+    """``aten.cumsum`` with PyTorch's result dtype (a bool or int32 input sums to int64; TVM's
+    converter keeps the input dtype, and a bool cumsum does not even compile)."""
+    from tvm import relax
+
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    val = node.meta.get("val")
+    want = str(val.dtype).removeprefix("torch.") if val is not None else None
+    have = str(x.ty.dtype).removeprefix("T.")
+    if want == "bool":
+        want = "int64"
+    if want is not None and want != have:
+        x = importer.block_builder.emit(relax.op.astype(x, want))
+    return importer.block_builder.emit(relax.op.cumsum(x, dim))
+
+
+def _torch_dtype(node: Any) -> str | None:
+    val = node.meta.get("val")
+    return str(val.dtype).removeprefix("torch.") if val is not None else None
+
+
+def _addmm_converter(node: Any, importer: Any) -> Any:
+    """``aten.addmm``: accumulate in float32 as TVM's converter does, then come back to the
+    model's dtype before the bias (TVM's adds a float16 bias to a float32 product and fails)."""
+    from tvm import relax
+
+    bb = importer.block_builder
+    bias, x, w = (importer.env[a] for a in node.args[:3])
+    alpha = node.kwargs.get("alpha", 1)
+    beta = node.kwargs.get("beta", 1)
+    want = _torch_dtype(node) or str(x.ty.dtype).removeprefix("T.")
+    res = bb.emit(relax.op.matmul(x, w, out_dtype="float32"))
+    if alpha != 1:
+        res = bb.emit(relax.op.multiply(res, relax.const(alpha, "float32")))
+    if want != "float32":
+        res = bb.emit(relax.op.astype(res, want))
+    if beta == 0:
+        return res
+    if beta != 1:
+        bias = bb.emit(relax.op.multiply(bias, relax.const(beta, want)))
+    return bb.emit(relax.op.add(bias, res))
+
+
+def _keep_dtype(name: str) -> Any:
+    """Wrap TVM's converter for ``name`` (mm, bmm: float32 products) with a cast back to the
+    dtype PyTorch computes in, so float16 models stay float16 between ops."""
+
+    def convert(node: Any, importer: Any) -> Any:
+        from tvm import relax
+
+        stock = getattr(importer, "_stackfuse_stock", None)
+        if stock is None:
+            stock = importer._stackfuse_stock = importer.create_convert_map()
+        res = stock[name](node)
+        want = _torch_dtype(node)
+        if want is not None and want != str(res.ty.dtype).removeprefix("T."):
+            res = importer.block_builder.emit(relax.op.astype(res, want))
+        return res
+
+    return convert
+
+
+#: our converters for aten ops whose stock TVM conversion loses meaning
+CONVERTERS = {
+    "scaled_dot_product_attention.default": _sdpa_converter,
+    "cumsum.default": _cumsum_converter,
+    "addmm.default": _addmm_converter,
+    "mm.default": _keep_dtype("mm.default"),
+    "bmm.default": _keep_dtype("bmm.default"),
+    "matmul.default": _keep_dtype("matmul.default"),
+    "baddbmm.default": _keep_dtype("baddbmm.default"),
+}
+
+
+def _keep_sdpa_table() -> dict[Any, Any]:
+    import torch
+
+    table = torch.export.default_decompositions()
+    for op in list(table):
+        if "scaled_dot_product" in str(op):
+            del table[op]
+    return table
+
+
+def _np(t: Any) -> np.ndarray:
+    import torch
+
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        raise InputError("bfloat16 weights cannot be stored in .npz; export in float16/float32")
+    return t.contiguous().numpy()
+
+
+def import_torch(
+    model: Any,
+    example_args: Sequence[Any],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    dtype: str | None = None,
+) -> Imported:
+    """Export ``model`` with ``torch.export`` on the example inputs and convert it to Relax.
+
+    ``dtype`` ("float16", "float32") casts floating weights and inputs first. Shapes are static:
+    the library is built for the example shapes.
+    """
+    import torch
+
+    tvm = import_tvm()
+    from tvm.relax.frontend.torch import from_exported_program
+
+    model = model.eval()
+    args = tuple(example_args)
+    if dtype is not None:
+        tdt = getattr(torch, dtype)
+        model = model.to(tdt)
+        args = tuple(a.to(tdt) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    with torch.no_grad():
+        ep = torch.export.export(model, args, kwargs=example_kwargs or {}, strict=False)
+        ep = ep.run_decompositions(_keep_sdpa_table())
+    mod = from_exported_program(
+        ep,
+        keep_params_as_input=True,
+        unwrap_unit_return_tuple=True,
+        run_ep_decomposition=False,
+        custom_convert_map=CONVERTERS,
+    )
+    from torch.export.graph_signature import InputKind
+
+    sig = ep.graph_signature
+    state = dict(ep.named_parameters())
+    params: dict[str, np.ndarray] = {}
+    targets: list[str] = []
+    user: list[str] = []
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            params[spec.arg.name] = _np(state[spec.target])
+            targets.append(str(spec.target))
+        elif spec.kind == InputKind.USER_INPUT:
+            user.append(spec.arg.name)
+    func = mod["main"]
+    names = [p.name for p in func.params]
+    if names != user + list(params):
+        raise InputError(
+            "internal: the converted module's parameters do not follow the export's inputs "
+            f"({names[:4]}... vs {(user + list(params))[:4]}...)"
+        )
+    mod, notes = _finish(mod, len(user))
+    func = mod["main"]
+    names = [p.name for p in func.params[len(user) :]]
+    params = dict(zip(names, params.values(), strict=True))
+    inputs = [_input_entry(p) for p in func.params[: len(user)]]
+    origins = dict(zip(names, targets, strict=True))
+    _ = tvm
+    return Imported(mod, params, inputs, f"torch:{type(model).__name__}", notes, origins)
+
+
+def _input_entry(p: Any) -> dict[str, Any]:
+    shape = [int(d) if hasattr(d, "value") else str(d) for d in p.ty.shape.values]
+    return {"name": p.name, "shape": shape, "dtype": str(p.ty.dtype).removeprefix("T.")}
+
+
+# --------------------------------------------------------------------------------------------
+# ONNX
+# --------------------------------------------------------------------------------------------
+def check_external_data(model: Any, base_dir: Path) -> list[Path]:
+    """Refuse external-data locations outside ``base_dir``; return the files they name.
+
+    Checked before anything is read: an absolute path, a ``..`` that climbs out, or a link
+    that resolves outside the folder is refused.
+    """
+    from onnx.external_data_helper import _get_all_tensors
+
+    base = base_dir.resolve()
+    files: list[Path] = []
+    for tensor in _get_all_tensors(model):
+        if tensor.data_location != 1:  # TensorProto.EXTERNAL
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        loc = info.get("location", "")
+        rel = Path(loc)
+        if not loc or rel.is_absolute() or loc.startswith(("/", "\\")) or ":" in rel.parts[0]:
+            raise InputError(
+                f"ONNX tensor {tensor.name[:80]!r} keeps its data at {loc[:200]!r}: external "
+                "data must be a relative path inside the model's folder"
+            )
+        target = (base / rel).resolve()
+        if target != base and base not in target.parents:
+            raise InputError(
+                f"ONNX tensor {tensor.name[:80]!r} keeps its data at {loc[:200]!r}, which "
+                f"resolves outside the model's folder {base}"
+            )
+        if not target.is_file():
+            raise InputError(f"ONNX external data file {loc[:200]!r} does not exist")
+        files.append(target)
+    return files
+
+
+def import_onnx(
+    path: Path,
+    *,
+    shape_dict: dict[str, list[int]] | None = None,
+    dtype_dict: str | dict[str, str] | None = None,
+) -> Imported:
+    """Load an ONNX file (external data checked first) and convert it with weights as inputs."""
+    import onnx
+
+    tvm = import_tvm()
+    from tvm.relax.frontend.onnx import from_onnx
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    if check_external_data(model, path.parent):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(model, str(path.parent.resolve()))
+    constants = _initializers_to_constants(model)
+    inits = {t.name for t in model.graph.initializer}
+    graph_inputs = [i for i in model.graph.input if i.name not in inits]
+    if dtype_dict is None:
+        dtype_dict = {
+            i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
+            for i in graph_inputs
+        }
+    mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
+    mod, params_nd = tvm.relax.frontend.detach_params(mod)
+    weights = [np.asarray(a.numpy()) for a in params_nd.get("main", [])]
+    num_input = len(mod["main"].params) - len(weights)
+    originals = [p.name for p in mod["main"].params[num_input:]]
+    mod, notes = _finish(mod, num_input)
+    if constants:
+        notes.insert(0, f"{constants} ONNX initializers that are not weights kept as constants")
+    func = mod["main"]
+    params = {p.name: arr for p, arr in zip(func.params[num_input:], weights, strict=True)}
+    inputs = [_input_entry(p) for p in func.params[:num_input]]
+    origins = dict(zip(params, originals, strict=True))
+    return Imported(mod, params, inputs, f"onnx:{path.name}", notes, origins)
+
+
+#: ONNX ops whose initializer inputs (at these positions) are model weights
+_WEIGHT_INPUTS: dict[str, tuple[int, ...]] = {
+    "MatMul": (0, 1),
+    "Gemm": (0, 1, 2),
+    "Gather": (0,),
+    "Conv": (1, 2),
+    "ConvTranspose": (1, 2),
+    "LayerNormalization": (1, 2),
+    "SimplifiedLayerNormalization": (1,),
+    "RMSNormalization": (1,),
+    "BatchNormalization": (1, 2, 3, 4),
+    "InstanceNormalization": (1, 2),
+    "GroupNormalization": (1, 2),
+}
+
+
+def _initializers_to_constants(model: Any) -> int:
+    """Turn initializers that are not weights (shapes, scales, masks) into Constant nodes.
+
+    With ``keep_params_in_input`` TVM makes *every* initializer a parameter, so a reshape's
+    target shape or a causal mask becomes a run-time input and the graph cannot be simplified.
+    Weights are the float initializers that a MatMul/Gemm/Gather/Conv/normalization reads, or
+    1-D float initializers an Add reads (biases); everything else becomes a constant.
+    """
+    import onnx
+
+    weights: set[str] = set()
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if i in _WEIGHT_INPUTS.get(node.op_type, ()):
+                weights.add(name)
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    bias_like = set()
+    for node in model.graph.node:
+        if node.op_type == "Add":
+            bias_like.update(node.input)
+    keep: list[Any] = []
+    moved: list[Any] = []
+    for t in model.graph.initializer:
+        is_weight = t.data_type in floats and (
+            t.name in weights or (len(t.dims) == 1 and t.name in bias_like and t.dims[0] > 1)
+        )
+        (keep if is_weight else moved).append(t)
+    if not moved:
+        return 0
+    nodes = [
+        onnx.helper.make_node("Constant", [], [t.name], value=t, name=f"const_{i}")
+        for i, t in enumerate(moved)
+    ]
+    moved_names = {t.name for t in moved}
+    inputs = [i for i in model.graph.input if i.name not in moved_names]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    existing = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes + existing)
+    return len(moved)
+
+
+# --------------------------------------------------------------------------------------------
+# one entry point for the CLI and for Python callers
+# --------------------------------------------------------------------------------------------
+def _load_entry(ref: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """``pkg.module:function`` -> function() returning (model, args) or (model, args, kwargs)."""
+    import importlib
+
+    mod_name, _, fn_name = ref.partition(":")
+    if not mod_name or not fn_name:
+        raise InputError(f"{ref!r}: expected an .onnx/.pt2 file or 'package.module:function'")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    finally:
+        sys.path.pop(0)
+    got = fn()
+    if not isinstance(got, tuple) or len(got) not in (2, 3):
+        raise InputError(f"{ref} must return (model, args) or (model, args, kwargs)")
+    model, args = got[0], tuple(got[1])
+    kwargs = dict(got[2]) if len(got) == 3 else {}
+    return model, args, kwargs
+
+
+def import_model(
+    source: Any,
+    *,
+    out: Path,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    dtype: str | None = None,
+    check: bool = True,
+) -> Path:
+    """Import ``source`` and write ``out`` (+ weights and manifest); return ``out``.
+
+    ``source``: a ``torch.nn.Module`` (with ``example_inputs``), a path to an ``.onnx`` file or
+    to a ``torch.export``-saved ``.pt2`` program, or ``"package.module:function"`` returning
+    ``(model, args[, kwargs])``. ``check`` runs the service's own ingest checks on the result,
+    so a module the service would refuse fails here, with the same message.
+    """
+    imported = import_any(
+        source, example_inputs=example_inputs, example_kwargs=example_kwargs, dtype=dtype
+    )
+    if check:
+        from worker.ingest import load_module
+
+        load_module(import_tvm().ir.save_json(imported.mod), "tvm-json")
+    return imported.save(Path(out))
+
+
+def import_any(
+    source: Any,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    dtype: str | None = None,
+) -> Imported:
+    if isinstance(source, str | Path) and str(source).endswith(".onnx"):
+        return import_onnx(Path(source))
+    if isinstance(source, str | Path) and str(source).endswith(".pt2"):
+        import torch
+
+        ep = torch.export.load(str(source))
+        return import_torch(ep.module(), ep.example_inputs[0], ep.example_inputs[1], dtype=dtype)
+    if isinstance(source, str):
+        model, args, kwargs = _load_entry(source)
+        return import_torch(model, args, kwargs, dtype=dtype)
+    if example_inputs is None:
+        raise InputError("a PyTorch module needs example_inputs")
+    return import_torch(source, example_inputs, example_kwargs, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: `stackfuse import MODEL --out model.json [--submit URL]`
+# --------------------------------------------------------------------------------------------
+def add_cli(sub: Any) -> None:
+    """Register the ``import`` subcommand on ``stackfuse``'s subparsers."""
+    p = sub.add_parser(
+        "import",
+        help="PyTorch (.pt2 or module:function) or ONNX -> Relax TVM JSON for /optimize",
+    )
+    p.add_argument("model", help="an .onnx file, a torch.export .pt2 file, or pkg.module:function")
+    p.add_argument("--out", type=Path, required=True, help="where to write the TVM JSON")
+    p.add_argument("--dtype", choices=["float16", "float32"], help="cast floats first (PyTorch)")
+    p.add_argument("--submit", metavar="URL", help="then POST it to the API at URL")
+    p.add_argument("--arch", default="sm_90", help="with --submit: target arch")
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args: argparse.Namespace, settings: Any = None) -> int:
+    """Exit status as service.cli's: 0 ok, 1 failed, 2 bad input, 3 infrastructure."""
+    from service.errors import StackfuseError
+
+    try:
+        out = import_model(args.model, out=args.out, dtype=args.dtype)
+    except StackfuseError as err:
+        print(f"stackfuse: error: {err.type}: {err.message}", file=sys.stderr)
+        return 2
+    size = out.stat().st_size
+    print(f"module: {out} ({size} bytes)")
+    print(f"weights: {params_path(out)}")
+    if size > 64 * 1024 * 1024:
+        print("warning: the module is over the service's 64 MiB body limit", file=sys.stderr)
+    if not args.submit:
+        return 0
+    import httpx
+
+    body = {"module": out.read_text(), "format": "tvm-json", "target": {"arch": args.arch}}
+    try:
+        r = httpx.post(args.submit.rstrip("/") + "/optimize", json=body, timeout=120.0)
+    except httpx.HTTPError as exc:
+        print(f"stackfuse: error: cannot reach {args.submit}: {exc}", file=sys.stderr)
+        return 3
+    if r.status_code != 202:
+        print(f"stackfuse: error: HTTP {r.status_code}: {r.text[:400]}", file=sys.stderr)
+        return 2 if r.status_code < 500 else 3
+    job = r.json()
+    print(f"job {job['id']} {job['status']}: {args.submit.rstrip('/')}{job['links']['self']}")
+    return 0
