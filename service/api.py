@@ -1,0 +1,324 @@
+"""HTTP routes. Thin: validation, then :mod:`service.jobs` and the store do the work.
+
+Handlers stay cheap for the event loop: the body is hashed once, Redis is asked at most twice
+per request on the common paths, and anything that may block (parsing a large body, writing the
+module, RQ's sync enqueue) runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import ValidationError
+
+from service import jobs
+from service.errors import (
+    InfrastructureError,
+    InvalidRequest,
+    MalformedJSON,
+    NotFound,
+    NotReady,
+    RequestError,
+    UnknownTarget,
+    UnsupportedMediaType,
+)
+from service.problems import PROBLEM_MEDIA_TYPE
+from service.schemas import TERMINAL, Health, JobView, OptimizeRequest, Problem
+from service.settings import Settings
+from service.spec import SUPPORTED_ARCHS
+from service.state import AppState
+from service.wire import check_module_json
+
+
+# async on purpose: FastAPI runs a sync dependency in the thread pool, a hop per request
+async def _state(request: Request) -> AppState:
+    return request.app.state.stackfuse
+
+
+async def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+StateDep = Annotated[AppState, Depends(_state)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+
+router = APIRouter()
+
+
+def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": Problem, "content": {PROBLEM_MEDIA_TYPE: {}}} for c in codes}
+
+
+def _job_response(
+    record: dict[str, str],
+    settings: Settings,
+    status_code: int = 200,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    view = jobs.view(record)
+    out = dict(headers or {})
+    if view.status not in TERMINAL:
+        out["Retry-After"] = str(settings.retry_after_s)
+    return JSONResponse(view.model_dump(mode="json", by_alias=True), status_code, out)
+
+
+# --- request decoding -------------------------------------------------------------------------
+def _check_media_type(request: Request) -> None:
+    raw = request.headers.get("content-type", "")
+    media = raw.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(
+            f"POST /optimize takes application/json, not {raw or 'a body without Content-Type'}",
+            accepted=["application/json"],
+        )
+
+
+def _decode(body: bytes, settings: Settings, toolchain: str) -> tuple[jobs.Submission, bytes]:
+    """Parse, validate and hash one POST /optimize body. Pure CPU; may run in a thread."""
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise MalformedJSON(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    except json.JSONDecodeError as exc:
+        raise MalformedJSON(
+            f"the body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest(
+            f"the body must be a JSON object with a 'module' string, not a {type(data).__name__}"
+        )
+    try:
+        request = OptimizeRequest.model_validate(data)
+    except ValidationError as exc:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+        if any(e["loc"] and e["loc"][0] == "target" for e in errors):
+            raise UnknownTarget(
+                f"unknown target {json.dumps(data.get('target'))[:200]}; "
+                f"supported archs: {', '.join(SUPPORTED_ARCHS)}",
+                supported=list(SUPPORTED_ARCHS),
+                errors=errors,
+            ) from None
+        raise InvalidRequest(
+            "the body does not have the shape POST /optimize takes: "
+            + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors),
+            errors=errors,
+        ) from None
+    try:
+        module_bytes = request.module.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("'module' contains unpaired UTF-16 surrogates") from None
+    if request.format == "tvm-json":
+        # structural check of the TVM JSON graph, without TVM (InputError subclasses: 413/422);
+        # TVMScript is checked by the worker's ingest
+        check_module_json(request.module, settings)
+    return jobs.prepare(request, module_bytes, toolchain), module_bytes
+
+
+# --- routes -----------------------------------------------------------------------------------
+@router.post(
+    "/optimize",
+    status_code=202,
+    response_model=JobView,
+    summary="Submit a module for optimization",
+    responses=_problems(400, 413, 415, 422, 503),
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": OptimizeRequest.model_json_schema()}},
+        },
+        "parameters": [
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "Same key + same body -> the same job; a different body -> 422.",
+            }
+        ],
+    },
+)
+async def optimize(request: Request, state: StateDep) -> Response:
+    """Validate cheaply, answer from the compile cache if possible, else enqueue a compile."""
+    settings = state.settings
+    _check_media_type(request)
+    idem = request.headers.get("idempotency-key")
+    if idem is not None and not (0 < len(idem) <= settings.max_idempotency_key_chars):
+        raise RequestError(
+            f"Idempotency-Key must be 1 to {settings.max_idempotency_key_chars} characters"
+        )
+    body = await request.body()
+    if len(body) > settings.parse_in_thread_bytes:
+        sub, module_bytes = await anyio.to_thread.run_sync(_decode, body, settings, state.toolchain)
+    else:
+        sub, module_bytes = _decode(body, settings, state.toolchain)
+    del body
+
+    record, replayed = await jobs.submit(
+        state.redis, state.queue, state.store, settings, sub, module_bytes, idem
+    )
+    headers = {"Location": f"/jobs/{record['id']}"}
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return _job_response(record, settings, 202, headers)
+
+
+async def _record(state: AppState, job_id: str) -> dict[str, str]:
+    if not jobs.is_job_id(job_id):
+        raise NotFound(f"there is no job {job_id[:64]!r}")
+    raw = await state.redis.hgetall(jobs.record_key(job_id))
+    if not raw:
+        raise NotFound(f"there is no job {job_id} (unknown, or expired)")
+    return jobs.decode(raw)
+
+
+@router.get(
+    "/jobs/{job_id}",
+    response_model=JobView,
+    summary="Job status",
+    responses=_problems(404, 503),
+)
+async def get_job(job_id: str, state: StateDep) -> Response:
+    """Status, stage and progress; links to the artifact and report once there."""
+    return _job_response(await _record(state, job_id), state.settings)
+
+
+def _not_ready(record: dict[str, str], what: str, settings: Settings) -> NotReady:
+    return NotReady(
+        f"job {record['id']} is {record['status']}; the {what} is not ready yet",
+        status_of_job=record["status"],
+        retry_after_s=settings.retry_after_s,
+    )
+
+
+def _etag_matches(if_none_match: str | None, etag: str) -> bool:
+    if not if_none_match:
+        return False
+    tags = [t.strip() for t in if_none_match.split(",")]
+    return "*" in tags or etag in tags or f"W/{etag}" in tags
+
+
+def _serve_object(
+    state: AppState, sha256: str, media_type: str, filename: str, if_none_match: str | None
+) -> Response:
+    etag = f'"{sha256}"'
+    if _etag_matches(if_none_match, etag):
+        return Response(status_code=304, headers={"ETag": etag})
+    path = state.store.local_path(sha256)
+    if path is None:
+        raise InfrastructureError(f"object {sha256} is missing from the store")
+    return FileResponse(
+        path,
+        media_type=media_type,
+        filename=filename,
+        headers={"ETag": etag, "Cache-Control": "private, max-age=31536000, immutable"},
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/artifact",
+    summary="The built shared library",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "the .so"},
+        304: {"description": "If-None-Match matched the ETag (the library's sha256)"},
+        **_problems(404, 409),
+    },
+)
+async def get_artifact(
+    job_id: str,
+    state: StateDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    record = await _record(state, job_id)
+    if record["status"] != "succeeded":
+        if record["status"] == "failed":
+            raise NotReady(
+                f"job {job_id} failed; it has no artifact (see its error and report)",
+                status_of_job="failed",
+            )
+        raise _not_ready(record, "artifact", state.settings)
+    sha = record["artifact_sha256"]
+    return _serve_object(
+        state, sha, "application/octet-stream", f"stackfuse-{job_id}.so", if_none_match
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/report",
+    summary="The fusion report",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/json": {}}, "description": "worker.report.Report"},
+        **_problems(404, 409),
+    },
+)
+async def get_report(
+    job_id: str,
+    state: StateDep,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Also served for failed jobs when partitioning ran (then ``error`` is set in it)."""
+    record = await _record(state, job_id)
+    sha = record.get("report_sha256")
+    if not sha:
+        if record["status"] == "failed":
+            raise NotFound(f"job {job_id} failed before partitioning ran, so it has no report")
+        raise _not_ready(record, "report", state.settings)
+    return _serve_object(
+        state, sha, "application/json", f"stackfuse-{job_id}-report.json", if_none_match
+    )
+
+
+@router.get("/healthz", response_model=Health, summary="The API process is up")
+async def healthz() -> dict[str, Any]:
+    return {"status": "ok", "checks": {}}
+
+
+@router.get(
+    "/readyz",
+    response_model=Health,
+    summary="Redis answers and at least one worker is alive",
+    responses=_problems(503),
+)
+async def readyz(state: StateDep) -> dict[str, Any]:
+    from rq.worker_registration import WORKERS_BY_QUEUE_KEY
+
+    settings = state.settings
+    try:
+        await state.redis.ping()
+        keys = await state.redis.smembers(WORKERS_BY_QUEUE_KEY % settings.queue_name)
+        async with state.redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hget(key, "last_heartbeat")
+            beats = await pipe.execute()
+    except Exception as exc:
+        raise InfrastructureError(
+            f"Redis at {_redacted(settings.redis_url)} does not answer: {type(exc).__name__}"
+        ) from None
+    now = datetime.now(UTC)
+    alive = 0
+    for beat in beats:
+        if beat:
+            seen = datetime.strptime(beat, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+            if (now - seen).total_seconds() <= settings.worker_ttl_s:
+                alive += 1
+    if alive == 0:
+        raise InfrastructureError(
+            f"no worker is alive on queue {settings.queue_name!r}; start one with "
+            "`stackfuse worker`",
+            workers=0,
+        )
+    return {"status": "ok", "checks": {"redis": "ok", "workers": alive}}
+
+
+def _redacted(url: str) -> str:
+    """The Redis URL without a password, fit for an error message."""
+    if "@" in url:
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -1,0 +1,374 @@
+"""The `stackfuse` command.
+
+Subcommands are registered in :data:`SUBCOMMANDS` (name -> function adding its parser); a new one
+(e.g. `import`) is one entry there. Each handler returns the exit status:
+
+    0 success · 1 the job/compile failed · 2 bad input or usage · 3 infrastructure (no Redis,
+    no toolchain, the server unreachable)
+
+Heavy imports (uvicorn, RQ, TVM, httpx) happen inside the handlers, so `stackfuse --help` is fast
+and `stackfuse api` never imports TVM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from service.errors import CompileError, InputError, RequestError, StackfuseError
+from service.settings import Settings, get_settings
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INFRA = 0, 1, 2, 3
+
+Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def _exit_code(err: StackfuseError) -> int:
+    if isinstance(err, InputError | RequestError):
+        return EXIT_INPUT
+    if isinstance(err, CompileError):
+        return EXIT_FAILED
+    return EXIT_INFRA
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"stackfuse: error: {message}", file=sys.stderr)
+    return code
+
+
+# --- api / worker / serve ---------------------------------------------------------------------
+def _register_api(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("api", help="run the HTTP API (no TVM in this process)")
+    p.add_argument("--host", help="bind address (default: STACKFUSE_API_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default: STACKFUSE_API_PORT or 8000)")
+    p.add_argument("--workers", type=int, help="processes (default: STACKFUSE_API_WORKERS or 1)")
+    p.set_defaults(func=_cmd_api)
+
+
+def _cmd_api(args: argparse.Namespace, settings: Settings) -> int:
+    from service.server import run_api
+
+    run_api(settings, args.host, args.port, args.workers)
+    return EXIT_OK
+
+
+def _register_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("worker", help="run compile workers (one per GPU; one without a GPU)")
+    p.add_argument("--count", type=int, help="number of workers (default: one per GPU)")
+    p.add_argument("--burst", action="store_true", help="drain the queue, then exit")
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from service.server import redis_answers
+    from worker.tasks import run_worker, run_workers
+
+    if not redis_answers(settings.redis_url, 5.0):
+        return _fail(f"no Redis answers at {settings.redis_url}", EXIT_INFRA)
+    if args.burst:
+        run_worker(settings, burst=True)
+        return EXIT_OK
+    return run_workers(settings, args.count)
+
+
+def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="API + one worker (+ a local Redis when none answers at REDIS_URL), one command",
+    )
+    p.add_argument("--host", help="API bind address")
+    p.add_argument("--port", type=int, help="API port")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float, name: str) -> None:
+    """SIGTERM (an RQ worker then finishes its job), again after ``grace_s`` (RQ: kill the job),
+    then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        print(f"stackfuse serve: stopping {name} ({sig.name})", file=sys.stderr)
+        proc.send_signal(sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from service.server import redis_answers, run_api, start_local_redis
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    redis_proc = None
+    if not redis_answers(settings.redis_url):
+        print(
+            f"stackfuse serve: no Redis at {settings.redis_url}; starting one in "
+            f"{settings.data_dir / 'redis'}",
+            file=sys.stderr,
+        )
+        try:
+            redis_proc = start_local_redis(settings)
+        except StackfuseError as err:
+            return _fail(err.message, EXIT_INFRA)
+    env = {
+        **os.environ,
+        "STACKFUSE_REDIS_URL": settings.redis_url,
+        "STACKFUSE_DATA_DIR": str(settings.data_dir),
+    }
+    # own sessions: Ctrl-C reaches only this process, which stops the others in order
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker", "--count", "1"],
+        env=env,
+        start_new_session=True,
+    )
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # uvicorn re-raises the signal that stopped it; as an exception, it lets `finally` run
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        run_api(settings, args.host, args.port)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C or SIGTERM: a normal way to stop serve
+    finally:
+        _stop(worker, settings.shutdown_grace_s, "worker")
+        if redis_proc is not None:
+            _stop(redis_proc, 10.0, "redis-server")
+    return EXIT_OK
+
+
+# --- submit (HTTP client) ---------------------------------------------------------------------
+def _register_submit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("submit", help="submit a model to a running API, optionally wait")
+    p.add_argument("model", type=Path, help="the module (TVM JSON, or TVMScript with --format)")
+    p.add_argument("--url", default=None, help="API base URL (default http://API_HOST:API_PORT)")
+    p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
+    p.add_argument("--format", default="tvm-json", choices=["tvm-json", "tvmscript"])
+    p.add_argument("--options", default="{}", help="compile options as JSON")
+    p.add_argument("--idempotency-key", help="make retries of this submit safe")
+    p.add_argument("--wait", action="store_true", help="poll until done, with a progress bar")
+    p.add_argument("--out", type=Path, help="with --wait: download the .so and report here")
+    p.add_argument("--timeout", type=float, default=3600.0, help="--wait gives up after this")
+    p.set_defaults(func=_cmd_submit)
+
+
+def _problem_text(response: Any) -> str:
+    try:
+        body = response.json()
+        return f"{body.get('title', response.status_code)}: {body.get('detail', '')}"
+    except ValueError:
+        return f"HTTP {response.status_code}"
+
+
+class _Bar:
+    """A one-line progress bar on stderr (a plain line per stage when not a terminal)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+
+    def show(self, job: dict[str, Any]) -> None:
+        frac = float(job.get("progress", 0.0))
+        label = f"{job['status']}: {job.get('stage', '')} {job.get('detail', '')}".strip()
+        if self.tty:
+            filled = int(frac * 30)
+            bar = "#" * filled + "-" * (30 - filled)
+            sys.stderr.write(f"\r[{bar}] {frac * 100:5.1f}% {label[:60]:<60}")
+            sys.stderr.flush()
+        elif label != self.last:
+            print(f"{frac * 100:5.1f}% {label}", file=sys.stderr)
+        self.last = label
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    import httpx
+
+    try:
+        text = args.model.read_text(encoding="utf-8")
+        options = json.loads(args.options)
+    except (OSError, UnicodeDecodeError) as exc:
+        return _fail(f"cannot read {args.model}: {exc}", EXIT_INPUT)
+    except json.JSONDecodeError as exc:
+        return _fail(f"--options is not JSON: {exc}", EXIT_INPUT)
+    base = args.url or f"http://{settings.api_host}:{settings.api_port}"
+    body = {
+        "module": text,
+        "format": args.format,
+        "target": {"arch": args.arch},
+        "options": options,
+    }
+    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+    try:
+        with httpx.Client(base_url=base, timeout=60.0) as client:
+            r = client.post("/optimize", json=body, headers=headers)
+            if r.status_code != 202:
+                code = EXIT_INPUT if r.status_code < 500 else EXIT_INFRA
+                return _fail(_problem_text(r), code)
+            job = r.json()
+            print(
+                f"job {job['id']} {job['status']}{' (cached)' if job['cached'] else ''}: "
+                f"{base}{job['links']['self']}"
+            )
+            if not args.wait:
+                return EXIT_OK
+            return _wait(client, job, args)
+    except httpx.HTTPError as exc:
+        return _fail(f"cannot reach the API at {base}: {exc}", EXIT_INFRA)
+
+
+def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace) -> int:
+    bar = _Bar()
+    deadline = time.monotonic() + args.timeout
+    try:
+        while job["status"] not in ("succeeded", "failed"):
+            if time.monotonic() > deadline:
+                return _fail(
+                    f"job {job['id']} still {job['status']} after {args.timeout} s", EXIT_INFRA
+                )
+            bar.show(job)
+            r = client.get(job["links"]["self"])
+            if r.status_code != 200:
+                return _fail(_problem_text(r), EXIT_INFRA)
+            time.sleep(min(max(float(r.headers.get("Retry-After", "1")), 0.5), 5.0))
+            job = r.json()
+        bar.show(job)
+    finally:
+        bar.close()
+    out: Path = args.out or Path(".")
+    if job["links"].get("report"):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_bytes(client.get(job["links"]["report"]).content)
+        print(f"report: {out / 'report.json'}")
+    if job["status"] == "failed":
+        err = job.get("error") or {}
+        return _fail(f"job failed: {err.get('type')}: {err.get('message')}", EXIT_FAILED)
+    r = client.get(job["links"]["artifact"])
+    (out / "model.so").write_bytes(r.content)
+    etag = r.headers.get("ETag", "").strip('"')
+    print(f"library: {out / 'model.so'} ({len(r.content)} bytes, sha256 {etag})")
+    return EXIT_OK
+
+
+# --- compile (local, no service) --------------------------------------------------------------
+def _register_compile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("compile", help="compile a model here, without the service")
+    p.add_argument("model", type=Path)
+    p.add_argument("--out", type=Path, required=True, help="directory for model.so + report")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--format", default="tvm-json", choices=["tvm-json", "tvmscript"])
+    p.add_argument("--options", default="{}", help="compile options as JSON")
+    p.set_defaults(func=_cmd_compile)
+
+
+def _cmd_compile(args: argparse.Namespace, settings: Settings) -> int:
+    from pydantic import ValidationError
+
+    from service.spec import CompileOptions, Target
+
+    try:
+        module = args.model.read_bytes()
+    except OSError as exc:
+        return _fail(f"cannot read {args.model}: {exc.strerror}", EXIT_INPUT)
+    try:
+        target = Target(arch=args.arch)
+        options = CompileOptions.model_validate(json.loads(args.options))
+    except json.JSONDecodeError as exc:
+        return _fail(f"--options is not JSON: {exc}", EXIT_INPUT)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(map(str, e["loc"])) or "value"
+        return _fail(f"bad --arch/--options: {where}: {e['msg']}", EXIT_INPUT)
+
+    from worker.pipeline import compile_module
+
+    started = time.monotonic()
+    last = [""]
+
+    def progress(stage: str, fraction: float, detail: str) -> None:
+        label = f"{stage} {detail}".strip()
+        if label != last[0]:
+            last[0] = label
+            print(
+                f"[{time.monotonic() - started:6.1f}s] {fraction * 100:3.0f}% {label}",
+                file=sys.stderr,
+            )
+
+    try:
+        result = compile_module(
+            module,
+            target=target,
+            options=options,
+            out_dir=args.out,
+            settings=settings,
+            progress=progress,
+            fmt=args.format,
+        )
+    except StackfuseError as err:
+        if (args.out / "report.json").exists():
+            print(f"report: {args.out / 'report.json'}", file=sys.stderr)
+        return _fail(f"{err.type}: {err.message}", _exit_code(err))
+    r = result.report
+    s = r.summary
+    print(
+        f"{s.attention_sites} attention site(s): {s.fused_stacked} fused stacked, "
+        f"{s.fused_plain} fused plain, {s.not_offloaded} not offloaded"
+    )
+    for m in r.matches:
+        kernel = f" -> {m.kernel.family} ({m.kernel.symbol})" if m.kernel else ""
+        print(f"  {m.where.site}: {m.kind}/{m.variant} {m.dtype}{kernel}")
+    size = r.library.size_bytes if r.library else result.library.stat().st_size
+    print(f"library: {result.library} ({size} bytes)")
+    print(f"report:  {result.report_path}")
+    v = r.validation
+    print(f"validation: {v.status}" + (f" ({v.reason})" if v.reason else ""))
+    print(f"took {time.monotonic() - started:.1f} s")
+    return EXIT_OK
+
+
+#: Subcommand name -> registrar. Add new subcommands here (one line each).
+SUBCOMMANDS: dict[str, Registrar] = {
+    "api": _register_api,
+    "worker": _register_worker,
+    "serve": _register_serve,
+    "submit": _register_submit,
+    "compile": _register_compile,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stackfuse",
+        description="Stacked-attention optimization of TVM Relax models, as a service.",
+        epilog="Settings come from the environment (STACKFUSE_*, REDIS_URL); see the README.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in SUBCOMMANDS.values():
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args, get_settings()))
+    except KeyboardInterrupt:
+        return 130
+    except StackfuseError as err:
+        return _fail(f"{err.type}: {err.message}", _exit_code(err))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The `stackfuse` command: serve (the README's first command), submit, compile."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, ApiProcess, WorkerPool, free_port, pid_alive, wait_for, wait_job
+
+
+def stackfuse(
+    *args: str, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.nvcc
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_brings_its_own_redis_and_a_worker_and_stops_them_all(
+    tmp_path: Path, service_env: dict[str, str], module_json: str, stop_signal: signal.Signals
+) -> None:
+    redis_port, api_port = free_port(), free_port()
+    env = {
+        **service_env,
+        "STACKFUSE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",  # nothing answers there
+        "STACKFUSE_DATA_DIR": str(tmp_path / "data"),
+        "STACKFUSE_API_PORT": str(api_port),
+    }
+    log = (tmp_path / "serve.log").open("wb")
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{api_port}"
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 60, "stackfuse serve to be ready (redis, worker, API)")
+        children = subprocess.run(
+            ["pgrep", "-P", str(serve.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(children) == 2  # redis-server and the worker
+        assert (tmp_path / "data" / "redis" / "appendonlydir").is_dir()  # AOF on
+        with httpx.Client(base_url=url, timeout=30) as c:
+            r = c.post("/optimize", json={"module": module_json + "\n\n\n"})
+            assert r.status_code == 202
+            assert wait_job(c, r.json()["id"], timeout=300)["status"] == "succeeded"
+    finally:
+        serve.send_signal(stop_signal)
+        serve.wait(60)
+    assert serve.returncode == 0
+    wait_for(lambda: not any(pid_alive(int(p)) for p in children), 30, "serve's children to exit")
+
+
+def test_compile_refuses_bad_input_with_one_line_and_status_2(
+    tmp_path: Path, service_env: dict[str, str]
+) -> None:
+    missing = stackfuse(
+        "compile", str(tmp_path / "nope.json"), "--out", str(tmp_path / "o"), env=service_env
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().count("\n") == 0 and "cannot read" in missing.stderr
+
+    bad_arch = tmp_path / "m.json"
+    bad_arch.write_text("{}")
+    r = stackfuse(
+        "compile", str(bad_arch), "--out", str(tmp_path / "o"), "--arch", "sm_75", env=service_env
+    )
+    assert r.returncode == 2 and "sm_80" in r.stderr, r.stderr  # says what is supported
+
+    r = stackfuse("compile", str(bad_arch), "--out", str(tmp_path / "o"), env=service_env)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("stackfuse: error: invalid-module")
+
+
+@pytest.mark.slow
+@pytest.mark.nvcc
+def test_compile_locally_prints_a_summary(
+    tmp_path: Path, service_env: dict[str, str], module_json: str
+) -> None:
+    model = tmp_path / "model.json"
+    model.write_text(module_json)
+    r = stackfuse("compile", str(model), "--out", str(tmp_path / "out"), env=service_env)
+    assert r.returncode == 0, r.stderr
+    assert "1 fused stacked" in r.stdout and "library:" in r.stdout
+    assert "validation: not_run" in r.stdout
+    assert (tmp_path / "out" / "model.so").stat().st_size > 0
+    assert "codegen" in r.stderr  # progress lines for the slow steps
+
+
+@pytest.mark.slow
+@pytest.mark.nvcc
+def test_submit_waits_and_downloads(
+    api: ApiProcess,
+    workers: WorkerPool,
+    fresh_module: Callable[[], str],
+    tmp_path: Path,
+    service_env: dict[str, str],
+) -> None:
+    model = tmp_path / "model.json"
+    model.write_text(fresh_module())
+    out = tmp_path / "out"
+    r = stackfuse(
+        "submit", str(model), "--url", api.url, "--wait", "--out", str(out), env=service_env
+    )
+    assert r.returncode == 0, r.stderr
+    assert (out / "model.so").stat().st_size > 0 and (out / "report.json").is_file()
+    assert "succeeded" in r.stderr  # the progress display reached the end
+
+
+def test_submit_reports_a_refusal_with_status_2(
+    api: ApiProcess, tmp_path: Path, service_env: dict[str, str]
+) -> None:
+    model = tmp_path / "model.json"
+    model.write_text("{}")
+    r = stackfuse("submit", str(model), "--url", api.url, "--arch", "sm_75", env=service_env)
+    assert r.returncode == 2 and "Unknown target" in r.stderr
+
+
+def test_help_lists_the_subcommands() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "service.cli", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+    )
+    for cmd in ("api", "worker", "serve", "submit", "compile"):
+        assert cmd in r.stdout
