@@ -68,6 +68,7 @@ def test_supports_stacked_fp16_on_hopper(arch: str) -> None:
         stacked(nq=32, nkv=8),
         stacked(nq=16, nkv=1),
         stacked(batch=DYNAMIC, seq=DYNAMIC),
+        stacked(seq=77),  # ragged query tiles: TMA clips them (checked on an H200)
     ],
 )
 def test_supports_variants_of_the_stacked_layout(spec: AttentionSpec) -> None:
@@ -85,7 +86,6 @@ def test_supports_variants_of_the_stacked_layout(spec: AttentionSpec) -> None:
         (stacked(h=100), "sm_90", "head_dim 100"),
         (stacked(h=264), "sm_90", "head_dim 264"),
         (dataclasses.replace(stacked(nq=30, nkv=8), num_q_heads=30), "sm_90", "30 query heads"),
-        (stacked(seq=77), "sm_90", "multiple of 8"),
         (
             dataclasses.replace(stacked(), bias=BiasSpec(1, (1, 1, 1, 2048)), num_operands=2),
             "sm_90",
@@ -108,6 +108,7 @@ def test_supports_says_why_not(spec: AttentionSpec, arch: str, words: str) -> No
 def test_variants_by_head_dim() -> None:
     assert set(hopper.variants(stacked(h=128))) == {"coop_128x128", "pingpong_128x128"}
     assert "tma_64x128" in hopper.variants(stacked(h=64))
+    assert "pingpong3_192x128" in hopper.variants(stacked(h=64))
     assert hopper.variants(stacked(h=256)) == ["coop_128x64"]
     assert hopper.variants(stacked(h=96)) == hopper.variants(stacked(h=128))
     assert hopper.variants(stacked(h=264)) == []
@@ -181,7 +182,17 @@ _ALLOWED_IDENTIFIERS = {
     "KernelTma",
     "KernelTmaWarpSpecializedCooperative",
     "KernelTmaWarpSpecializedPingpong",
-    "true",
+    # kernel options of the three-warpgroup variants
+    "fmha",
+    "kernel",
+    "Option",
+    "Tag",
+    "kNumMmaWarpGroups",
+    "cute",
+    "Int",
+    # arguments that are no tensor (shape arguments TVM passes)
+    "AnyView",
+    "nullptr",
 }
 
 
@@ -192,10 +203,19 @@ def _code_tokens(source: str) -> tuple[set[str], list[str]]:
     return idents, numbers
 
 
-@pytest.mark.parametrize("variant", ["coop_128x128", "pingpong_128x128"])
+@pytest.mark.parametrize(
+    ("variant", "h"),
+    [
+        ("coop_128x128", 128),
+        ("pingpong_128x128", 128),
+        ("pingpong3_192x128", 64),
+        ("tma_64x128", 64),
+        ("coop_128x64", 256),
+    ],
+)
 @pytest.mark.parametrize("causal", ["none", "TopLeft", "BottomRight"])
-def test_render_holds_only_numbers_and_the_symbol(variant: str, causal: str) -> None:
-    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, nq=32, nkv=8, causal=causal)
+def test_render_holds_only_numbers_and_the_symbol(variant: str, h: int, causal: str) -> None:
+    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, nq=32, nkv=8, h=h, causal=causal)
     ks = hopper.render(spec, "stackfuse_h0123abcd", variant)
     assert ks.family == "cutlass_fmha_hopper"
     assert ks.symbol == "stackfuse_h0123abcd"
@@ -209,14 +229,15 @@ def test_render_holds_only_numbers_and_the_symbol(variant: str, causal: str) -> 
 
 def test_render_numbers_come_from_the_spec() -> None:
     spec = stacked(batch=4, seq=1024, nq=32, nkv=8, h=64)
-    src = hopper.render(spec, "s", "coop_128x64").source
+    src = hopper.render(spec, "s", "pingpong3_192x128").source
     c = (32 + 16) * 64
     assert f"/*q=*/{{0, 0, {c}, 64}}" in src
     assert f"/*k=*/{{0, {32 * 64}, {c}, 64}}" in src
     assert f"/*v=*/{{0, {40 * 64}, {c}, 64}}" in src
     assert "/*batch=*/4, /*seq_q=*/1024, /*seq_kv=*/1024" in src
     assert "/*q_heads=*/32, /*kv_heads=*/8" in src
-    assert "cutlass::half_t, 128, 64, 64, cutlass::gemm::KernelTmaWarpSpecializedCooperative" in src
+    assert "cutlass::half_t, 192, 128, 64, cutlass::gemm::KernelTmaWarpSpecializedPingpong" in src
+    assert "Tag::kNumMmaWarpGroups, cute::Int<3>" in src
 
 
 def test_render_dynamic_dims_and_bf16() -> None:
@@ -296,3 +317,26 @@ def test_nvcc_compiles_one_config_and_exports_the_symbol(tmp_path: Path) -> None
     assert nm is not None
     symbols = subprocess.run([nm, str(obj)], capture_output=True, text=True, check=True).stdout
     assert re.search(r"\bT __tvm_ffi_stackfuse_hopper_nvcc_test\b", symbols)
+
+
+def test_render_takes_shape_arguments_that_are_no_tensor() -> None:
+    base = stacked(batch=DYNAMIC, seq=DYNAMIC)
+    spec = dataclasses.replace(
+        base, num_operands=3, operand_shapes=(base.operand_shapes[0], None, None)
+    )
+    src = hopper.render(spec, "s", "pingpong_128x128").source
+    assert "void impl(DLTensor* op0, tvm::ffi::AnyView /*shape*/ op1, " in src
+    assert "DLTensor* ops[] = {op0, nullptr, nullptr};" in src
+    assert "/*op_rank=*/{3, -1, -1, 0, 0, 0, 0, 0}" in src
+
+
+def test_supports_rejects_qkv_from_a_shape_argument() -> None:
+    base = stacked()
+    spec = dataclasses.replace(base, num_operands=2, operand_shapes=(None, base.operand_shapes[0]))
+    reason = hopper.supports(spec, "sm_90")
+    assert reason is not None and "no tensor operand" in reason
+
+
+def test_workspace_is_the_log_sum_exp_of_one_launch() -> None:
+    ks = hopper.render(stacked(nq=32, nkv=8), "s", "pingpong_128x128")
+    assert ks.workspace_bytes == 8 * 2048 * 8 * 4

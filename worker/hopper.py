@@ -1,0 +1,352 @@
+"""Hopper (sm_90a) stacked attention: CUTLASS's TMA + warp-specialized FMHA, read in place.
+
+The SM80-class fMHA runs at ~0.3x of cuDNN on an H200; the Hopper FMHA of
+``examples/88_hopper_fmha`` (nvidia-cutlass 4.2) matches it. This module decides whether that
+kernel can take an :class:`AttentionSpec` (:func:`supports`), which of its schedules/tiles to try
+(:func:`variants`, :data:`SELECTION`), and renders one translation unit per choice
+(:func:`render`). The C++ lives in ``worker/kernels/hopper_fmha*.cuh``; the example is used as a
+library from the installed package, never copied.
+
+The generated source holds numbers from the spec and the caller's symbol, nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from worker.attention import DYNAMIC, AttentionSpec, TensorAccess
+
+if TYPE_CHECKING:  # codegen imports this module; import it back lazily
+    from worker.codegen import KernelSource
+
+FAMILY = "cutlass_fmha_hopper"
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+
+#: tile head dims the example instantiates; a head_dim below one is zero-padded by TMA
+_TILE_HEAD_DIMS = (32, 64, 128, 256)
+_SYMBOL_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_ELEM_BYTES = {"float16": 2, "bfloat16": 2}
+_CUTLASS_TYPE = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
+_DL_CODE = {"float16": 2, "bfloat16": 4}  # kDLFloat, kDLBfloat
+_CAUSAL_MODE = {
+    "none": "stackfuse::hopper::CausalMode::kNone",
+    "TopLeft": "stackfuse::hopper::CausalMode::kTopLeft",
+    "BottomRight": "stackfuse::hopper::CausalMode::kBottomRight",
+}
+_INT32_MAX = 2**31 - 1
+_MAX_OPERANDS = 8  # kMaxOperands in hopper_fmha_tvm.cuh
+_MAX_RANK = 6  # kMaxRank there
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One instantiation of the example's forward kernel."""
+
+    name: str
+    schedule: str  # the cutlass::gemm dispatch policy
+    block_q: int
+    block_kv: int
+    #: C++ kernel options (constants of this table, never client text)
+    options: tuple[str, ...] = ()
+
+    @property
+    def config(self) -> dict[str, int | bool | str]:
+        return {
+            "variant": self.name,
+            "schedule": self.schedule,
+            "block_q": self.block_q,
+            "block_kv": self.block_kv,
+        }
+
+
+_TMA = "cutlass::gemm::KernelTma"
+_COOP = "cutlass::gemm::KernelTmaWarpSpecializedCooperative"
+_PING = "cutlass::gemm::KernelTmaWarpSpecializedPingpong"
+_THREE_MMA_WARPGROUPS = (
+    "cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kNumMmaWarpGroups, cute::Int<3>>",
+)
+
+#: every variant, by name; "tma" is the non-warp-specialized kernel (2 CTAs per SM),
+#: "coop" two consumer warpgroups sharing one CTA tile, "pingpong" the persistent version of it
+#: with Q loaded by its own producer warp.
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("tma_64x128", _TMA, 64, 128),
+        Variant("coop_128x64", _COOP, 128, 64),
+        Variant("pingpong_128x64", _PING, 128, 64),
+        Variant("coop_128x128", _COOP, 128, 128),
+        Variant("pingpong_128x128", _PING, 128, 128),
+        # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
+        Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
+        Variant("pingpong3_192x128", _PING, 192, 128, _THREE_MMA_WARPGROUPS),
+    )
+}
+
+#: which variants are offered per tile head dim, best first (measured on one H200,
+#: benchmarks/results/hopper_kernel.md). At head dim 64 the example's 128x64 tiles
+#: (coop_128x64, pingpong_128x64) lost to every other variant at every shape measured
+#: (334-351 vs 414-453 TFLOP/s at B2 S8192 N16), so they are not offered there.
+_BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
+    32: ("tma_64x128", "coop_128x64"),
+    64: ("pingpong3_192x128", "coop3_192x128", "pingpong_128x128", "tma_64x128"),
+    128: ("pingpong_128x128", "coop_128x128"),
+    256: ("coop_128x64",),
+}
+
+#: Per shape class, the variant to use, from two H200 runs (benchmarks/results/hopper_kernel.md;
+#: TFLOP/s of the pick, run 1 / run 2). Keys: (tile head dim, causal?, "small" | "large"), "small"
+#: meaning fewer query tiles x heads x batch than about two waves of 128-row tiles on 132 SMs.
+#: The SM80-class kernel never won a shape the Hopper kernel takes (B32 S128 N12 H64: ~30
+#: TFLOP/s against ~134), so no class maps to it; it stays the kernel for what supports()
+#: rejects and for other archs. "unmeasured": no benchmark shape of that class was run.
+SELECTION: dict[tuple[int, bool, str], str] = {
+    (32, False, "large"): "tma_64x128",  # B8 S2048 N16: 225 vs coop_128x64 186
+    (32, True, "large"): "coop_128x64",  # unmeasured; tma at d32 causal not checked on GPU
+    (32, False, "small"): "tma_64x128",  # unmeasured
+    (32, True, "small"): "coop_128x64",  # unmeasured
+    (64, False, "large"): "pingpong3_192x128",  # B2 S8192 N16: 453 / 441 (coop3 440 / 449)
+    (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 (pingpong3 312)
+    (64, False, "small"): "pingpong_128x128",  # B32 S128 N12 (BERT): 135 / 134
+    (64, True, "small"): "pingpong_128x128",  # unmeasured
+    (128, False, "large"): "pingpong_128x128",  # B8 S2048 N16: 645 / 609; B4 S4096 N32: 601 / 594
+    (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 (serpentine schedule)
+    (128, False, "small"): "pingpong_128x128",  # unmeasured
+    (128, True, "small"): "pingpong_128x128",  # unmeasured
+    (256, False, "large"): "coop_128x64",  # the only variant; B4 S2048 N8: 661
+    (256, True, "large"): "coop_128x64",
+    (256, False, "small"): "coop_128x64",
+    (256, True, "small"): "coop_128x64",
+}
+
+#: CTAs below which a launch counts as "small" (about two waves of the H200's 132 SMs)
+SMALL_CTAS = 264
+
+
+def tile_head_dim(head_dim: int) -> int | None:
+    """The example's tile head dim that holds ``head_dim`` (TMA zero-fills the rest)."""
+    return next((t for t in _TILE_HEAD_DIMS if head_dim <= t), None)
+
+
+def _is_sm90(arch: str) -> bool:
+    digits = re.sub(r"[^0-9]", "", arch)
+    return digits == "90"
+
+
+def supports(spec: AttentionSpec, arch: str) -> str | None:
+    """None when the Hopper kernel can run ``spec`` on ``arch``; else what stands in the way."""
+    if not _is_sm90(arch):
+        return f"target arch {arch} is not sm_90; the Hopper kernel needs an H100/H200 (sm_90a)"
+    if spec.dtype not in _ELEM_BYTES:
+        return f"dtype {spec.dtype} is not float16/bfloat16; the Hopper kernel has no fp32 path"
+    if spec.bias is not None:
+        return "an additive bias is present; the Hopper kernel has no bias input"
+    if spec.head_dim_v != spec.head_dim:
+        return (
+            f"head_dim_v {spec.head_dim_v} differs from head_dim {spec.head_dim}; "
+            "the Hopper kernel needs equal head dims"
+        )
+    if spec.head_dim % 8 != 0 or tile_head_dim(spec.head_dim) is None:
+        return (
+            f"head_dim {spec.head_dim} is not a multiple of 8 up to 256; "
+            "the Hopper kernel loads rows with 16-byte TMA"
+        )
+    if spec.num_kv_heads <= 0 or spec.num_q_heads % spec.num_kv_heads != 0:
+        return (
+            f"{spec.num_q_heads} query heads are not a multiple of {spec.num_kv_heads} "
+            "key/value heads"
+        )
+    if spec.causal not in _CAUSAL_MODE:
+        return f"causal mode {spec.causal} is not none/TopLeft/BottomRight"
+    shapes = _operand_shapes(spec)
+    if not 1 <= len(shapes) <= _MAX_OPERANDS:
+        return f"{len(shapes)} kernel arguments; the Hopper wrapper takes 1 to {_MAX_OPERANDS}"
+    elem = _ELEM_BYTES[spec.dtype]
+    for name, acc in (("q", spec.q), ("k", spec.k), ("v", spec.v)):
+        for what, n in (
+            ("offset", acc.offset),
+            ("row stride", acc.row_stride),
+            ("head stride", acc.head_stride),
+        ):
+            if n < 0 or (n * elem) % 16 != 0:
+                return (
+                    f"{name} {what} {n} elements is not 16-byte aligned; "
+                    "TMA needs 16-byte aligned addresses and strides"
+                )
+        if acc.row_stride > _INT32_MAX:
+            return f"{name} row stride {acc.row_stride} exceeds 2^31 elements"
+        if not 0 <= acc.operand < len(shapes) or shapes[acc.operand] is None:
+            return f"{name} reads argument {acc.operand}, which is no tensor operand"
+        shape = shapes[acc.operand]
+        if shape is not None and not 3 <= len(shape) <= _MAX_RANK:
+            return (
+                f"{name}'s operand has rank {len(shape)}; the wrapper reads [B, S, ...] "
+                f"of rank 3 to {_MAX_RANK}"
+            )
+    if (
+        spec.causal == "BottomRight"
+        and isinstance(spec.seq_q, int)
+        and isinstance(spec.seq_kv, int)
+        and spec.seq_q > spec.seq_kv
+    ):
+        return (
+            f"bottom-right causal mask with seq_q {spec.seq_q} > seq_kv {spec.seq_kv} "
+            "leaves rows with no keys"
+        )
+    for name, acc, seq in (
+        ("q", spec.q, spec.seq_q),
+        ("k", spec.k, spec.seq_kv),
+        ("v", spec.v, spec.seq_kv),
+    ):
+        if isinstance(seq, int) and acc.row_stride * seq > _INT32_MAX:
+            return f"{name} batch stride {acc.row_stride * seq} exceeds 2^31 elements"
+    return None
+
+
+def _ctas(spec: AttentionSpec, block_q: int) -> int | None:
+    if not isinstance(spec.batch, int) or not isinstance(spec.seq_q, int):
+        return None
+    return spec.batch * spec.num_q_heads * math.ceil(spec.seq_q / block_q)
+
+
+def shape_class(spec: AttentionSpec) -> tuple[int, bool, str]:
+    """The SELECTION key of ``spec``; dynamic shapes count as large."""
+    tile = tile_head_dim(spec.head_dim) or 0
+    ctas = _ctas(spec, 128)
+    size = "small" if ctas is not None and ctas < SMALL_CTAS else "large"
+    return (tile, spec.causal != "none", size)
+
+
+def variants(spec: AttentionSpec) -> list[str]:
+    """Variant names valid for ``spec``, the SELECTION's pick first; empty if unsupported."""
+    tile = tile_head_dim(spec.head_dim)
+    if tile is None:
+        return []
+    names = list(_BY_HEAD_DIM[tile])
+    best = SELECTION.get(shape_class(spec))
+    if best in names:
+        names.remove(best)
+        names.insert(0, best)
+    return names
+
+
+def _operand_shapes(spec: AttentionSpec) -> list[tuple[int | str, ...] | None]:
+    """One entry per kernel argument before the output; None for a non-tensor argument."""
+    if spec.operand_shapes:
+        return list(spec.operand_shapes)
+    return [(DYNAMIC, DYNAMIC, DYNAMIC)] * spec.num_operands
+
+
+def _num(x: int | str) -> int:
+    return -1 if x == DYNAMIC or not isinstance(x, int) else int(x)
+
+
+def _float_literal(x: float) -> str:
+    if not math.isfinite(x):
+        raise ValueError(f"scale {x} is not finite")
+    return f"{float(x)!r}f"
+
+
+def include_dirs() -> list[Path]:
+    """Headers the generated source needs beyond the compiler's common set."""
+    from worker.toolchain import find_toolchain
+
+    chain = find_toolchain()
+    return [KERNELS_DIR, chain.fmha_hopper_dir, *chain.cutlass_includes]
+
+
+def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
+    """One translation unit exporting ``symbol(op_0, ..., op_{n-1}, out)`` for ``spec``."""
+    from worker.codegen import KernelSource
+
+    reason = supports(spec, "sm_90a")
+    if reason is not None:
+        raise ValueError(reason)
+    if not _SYMBOL_RE.match(symbol):
+        raise ValueError("symbol must be a C identifier")
+    tile = tile_head_dim(spec.head_dim)
+    assert tile is not None
+    if variant not in _BY_HEAD_DIM[tile]:
+        raise ValueError(
+            f"variant {variant} does not exist for head_dim {spec.head_dim}; "
+            f"choose one of {', '.join(_BY_HEAD_DIM[tile])}"
+        )
+    v = VARIANTS[variant]
+    shapes = _operand_shapes(spec)
+    n = len(shapes)
+    ranks = [len(sh) if sh is not None else -1 for sh in shapes]
+    shape_rows = []
+    for i in range(_MAX_OPERANDS):
+        sh = shapes[i] if i < n else None
+        dims = list(sh) if sh is not None else []
+        nums = [_num(d) for d in dims] + [-1] * (_MAX_RANK - len(dims))
+        shape_rows.append("{" + ", ".join(str(x) for x in nums) + "}")
+    rank_row = ", ".join(str(r) for r in (ranks + [0] * _MAX_OPERANDS)[:_MAX_OPERANDS])
+
+    def access(a: TensorAccess) -> str:
+        return f"{{{int(a.operand)}, {int(a.offset)}, {int(a.row_stride)}, {int(a.head_stride)}}}"
+
+    params = ", ".join(
+        f"DLTensor* op{i}" if sh is not None else f"tvm::ffi::AnyView /*shape*/ op{i}"
+        for i, sh in enumerate(shapes)
+    )
+    op_list = ", ".join(f"op{i}" if sh is not None else "nullptr" for i, sh in enumerate(shapes))
+    rows = ",\n        ".join(shape_rows)
+    source = f"""// Generated by stackfuse worker.hopper ({FAMILY}, variant {v.name}). Numbers only.
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include "hopper_fmha_tvm.cuh"
+
+namespace {{
+
+using Cfg = stackfuse::hopper::Config<
+    {_CUTLASS_TYPE[spec.dtype]}, {v.block_q}, {v.block_kv}, {tile}, {v.schedule},
+    {_CAUSAL_MODE[spec.causal]}{"".join(", " + o for o in v.options)}>;
+
+const stackfuse::hopper::StackedSpec kSpec = {{
+    /*num_operands=*/{n},
+    /*q=*/{access(spec.q)},
+    /*k=*/{access(spec.k)},
+    /*v=*/{access(spec.v)},
+    /*batch=*/{_num(spec.batch)}, /*seq_q=*/{_num(spec.seq_q)}, /*seq_kv=*/{_num(spec.seq_kv)},
+    /*q_heads=*/{int(spec.num_q_heads)}, /*kv_heads=*/{int(spec.num_kv_heads)},
+    /*head_dim=*/{int(spec.head_dim)}, /*head_dim_v=*/{int(spec.head_dim_v)},
+    /*scale=*/{_float_literal(spec.scale)},
+    /*dtype_code=*/{_DL_CODE[spec.dtype]}, /*dtype_bits=*/16,
+    /*op_rank=*/{{{rank_row}}},
+    /*op_shape=*/{{
+        {rows}}},
+}};
+
+void impl({params}, DLTensor* out) {{
+  DLTensor* ops[] = {{{op_list}}};
+  stackfuse::hopper::run_stacked<Cfg>(kSpec, ops, out);
+}}
+
+}}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
+"""
+    flags = (GENCODE, *(f"-I{p}" for p in include_dirs()))
+    config: dict[str, int | bool | str] = {**v.config, "tile_head_dim": tile}
+    workspace: int | str
+    per_row = 4 * spec.num_kv_heads  # the epilogue's log-sum-exp, shared by a GQA group's launches
+    if isinstance(spec.batch, int) and isinstance(spec.seq_q, int):
+        workspace = spec.batch * spec.seq_q * per_row
+    else:
+        workspace = f"batch*seq_q*{per_row}"
+    return KernelSource(
+        symbol=symbol,
+        source=source,
+        family=FAMILY,
+        flags=flags,
+        config=config,
+        workspace_bytes=workspace,
+    )
