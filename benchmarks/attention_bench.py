@@ -38,6 +38,7 @@ SHAPES: list[dict[str, Any]] = [
     },
     {"name": "bert_base_b32_s128_n12_h64", "b": 32, "s": 128, "n": 12, "h": 64},
     {"name": "b4_s128_n12_h64", "b": 4, "s": 128, "n": 12, "h": 64},
+    {"name": "b8_s2048_q32_kv8_h128_gqa", "b": 8, "s": 2048, "n": 32, "h": 128, "n_kv": 8},
 ]
 
 WAYS = {
@@ -62,7 +63,12 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
         if names and shape["name"] not in names:
             continue
         mod = stacked_attention_module(
-            shape["b"], shape["s"], shape["n"], shape["h"], causal=shape.get("causal")
+            shape["b"],
+            shape["s"],
+            shape["n"],
+            shape["h"],
+            causal=shape.get("causal"),
+            n_kv=shape.get("n_kv"),
         )
         for way, opts in WAYS.items():
             t0 = time.monotonic()
@@ -132,9 +138,10 @@ def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
         if names and shape["name"] not in names:
             continue
         b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
+        n_kv = shape.get("n_kv", n)
         causal = shape.get("causal") is not None
         big = b * s * s * n > 4e9
-        qkv = (torch.randn(b, s, 3 * n * h, device="cuda") * 0.5).half()
+        qkv = (torch.randn(b, s, (n + 2 * n_kv) * h, device="cuda") * 0.5).half()
         ways: dict[str, Any] = {}
         for way in WAYS:
             lib = out_dir / shape["name"] / way / "model.so"
@@ -144,11 +151,18 @@ def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
             ways[way] = lambda fn=fn, arg=arg: fn(arg)
 
         def sdpa(
-            qkv: Any = qkv, b: int = b, s: int = s, n: int = n, h: int = h, causal: bool = causal
+            qkv: Any = qkv,
+            b: int = b,
+            s: int = s,
+            n: int = n,
+            h: int = h,
+            causal: bool = causal,
+            n_kv: int = n_kv,
         ) -> Any:
-            q, k, v = qkv.split(n * h, dim=2)
-            q, k, v = (t.view(b, s, n, h).transpose(1, 2) for t in (q, k, v))
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            q, k, v = qkv.split([n * h, n_kv * h, n_kv * h], dim=2)
+            q = q.view(b, s, n, h).transpose(1, 2)
+            k, v = (t.view(b, s, n_kv, h).transpose(1, 2) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=n_kv != n)
 
         ways["sdpa"] = sdpa
         row: dict[str, Any] = {"shape": shape["name"], "flops": flops(shape)}

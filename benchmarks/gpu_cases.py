@@ -137,7 +137,21 @@ CASES: list[Case] = [
     # benchmark shapes, checked too
     Case("bert_base_fp16", "stacked", 32, 128, 12, 64, 64),
     Case("b8_s2048_n16_h128_fp16", "stacked", 8, 2048, 16, 128, 128),
+    # GQA in the stacked layout [B, S, (Nq + 2 Nkv) H]: Hopper kernel only
+    Case("split_fp16_gqa_q32_kv8", "stacked", 2, 256, 32, 128, 128, {"n_kv": 8}),
 ]
+
+#: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
+HOPPER_CASES = (
+    "bert_base_fp16",
+    "b8_s2048_n16_h128_fp16",
+    "split_fp16_causal_bottomright",
+    "split_bf16",
+    "split_fp16_symbolic_batch",
+    "split_fp16_epilogue",
+    "plain_fp16_causal_bottomright",
+    "split_fp16_gqa_q32_kv8",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,9 +191,12 @@ def build(out_dir: Path, names: list[str] | None = None, **opts: Any) -> None:
         if got != case.expect:
             raise SystemExit(f"{case.name}: report says {got}, expected {case.expect}")
         (work / "case.json").write_text(json.dumps(asdict(case)))
+        kernels = sorted({m.kernel.family for m in res.report.matches if m.kernel})
+        (work / "kernels.json").write_text(json.dumps(kernels))
         if case.name in VALIDATED:
             _build_reference(case, work)
-        print(f"built {case.name} in {time.monotonic() - t0:.1f}s ({got})", flush=True)
+        took = time.monotonic() - t0
+        print(f"built {case.name} in {took:.1f}s ({got}, {kernels})", flush=True)
 
 
 #: cases whose worker-side validation child (worker/validate.py) also runs on the GPU
@@ -238,10 +255,11 @@ def reference(case: Case, inputs: list[Any]) -> list[Any]:
 
     m = case.module
     h, hv, n = case.h, case.hv, case.n
+    n_kv = m.get("n_kv", n)
     dtype_out = inputs[0].dtype
     if case.kind == "stacked":
         qkv = inputs[0].float()
-        widths = {"q": n * h, "k": n * h, "v": n * hv}
+        widths = {"q": n * h, "k": n_kv * h, "v": n_kv * hv}
         order = m.get("slice_order", "qkv")
         begin, pos = {}, 0
         for role in order:
@@ -249,8 +267,10 @@ def reference(case: Case, inputs: list[Any]) -> list[Any]:
             pos += widths[role]
         bsz, s = qkv.shape[0], qkv.shape[1]
         q = qkv[:, :, begin["q"] : begin["q"] + widths["q"]].reshape(bsz, s, n, h)
-        k = qkv[:, :, begin["k"] : begin["k"] + widths["k"]].reshape(bsz, s, n, h)
-        v = qkv[:, :, begin["v"] : begin["v"] + widths["v"]].reshape(bsz, s, n, hv)
+        k = qkv[:, :, begin["k"] : begin["k"] + widths["k"]].reshape(bsz, s, n_kv, h)
+        v = qkv[:, :, begin["v"] : begin["v"] + widths["v"]].reshape(bsz, s, n_kv, hv)
+        # GQA: query head i attends key/value head i // (n / n_kv) (PyTorch's enable_gqa)
+        k, v = k.repeat_interleave(n // n_kv, dim=2), v.repeat_interleave(n // n_kv, dim=2)
         bias = inputs[1].float() if len(inputs) > 1 else None
     else:
         q, k, v = (t.float() for t in inputs[:3])
@@ -284,7 +304,8 @@ def _inputs(case: Case, torch: Any, dev: str) -> list[Any]:
         return (torch.randn(*shape, generator=g, device=dev) * 0.5).to(dt)
 
     if case.kind == "stacked":
-        width = 2 * case.n * case.h + case.n * case.hv
+        n_kv = case.module.get("n_kv", case.n)
+        width = case.n * case.h + n_kv * case.h + n_kv * case.hv
         out = [rnd(b, case.s, width)]
     else:
         skv = case.s_kv or case.s
@@ -315,6 +336,8 @@ def check(out_dir: Path, names: list[str] | None = None) -> list[dict[str, Any]]
         if names and case.name not in names:
             continue
         row: dict[str, Any] = {"case": case.name, "dtype": case.module.get("dtype", "float16")}
+        if (case_dir / "kernels.json").exists():
+            row["kernels"] = json.loads((case_dir / "kernels.json").read_text())
         try:
             vm = VirtualMachine(tvm.runtime.load_module(str(case_dir / "model.so")), dev)
             inputs = _inputs(case, torch, "cuda")
@@ -349,7 +372,14 @@ def main(argv: list[str]) -> int:
     cmd, out = argv[0], Path(argv[1])
     names = argv[2:] or None
     if cmd == "build":
-        build(out, names)
+        kernel = "auto"
+        if names and names[0].startswith("--kernel="):
+            kernel = names.pop(0).split("=", 1)[1]
+        if kernel == "auto" and not names:
+            names = list(HOPPER_CASES)
+        if kernel == "sm80" and not names:
+            names = [c.name for c in CASES if c.name not in ("split_fp16_gqa_q32_kv8",)]
+        build(out, names or None, kernel=kernel)
         return 0
     results = check(out, names)
     import torch

@@ -262,6 +262,13 @@ def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- import (PyTorch / ONNX -> TVM JSON, on the user's machine) -------------------------------
+def _register_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from worker.importers import add_cli  # lazy: keeps `stackfuse --help` fast
+
+    add_cli(sub)
+
+
 # --- compile (local, no service) --------------------------------------------------------------
 def _register_compile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("compile", help="compile a model here, without the service")
@@ -345,6 +352,7 @@ SUBCOMMANDS: dict[str, Registrar] = {
     "serve": _register_serve,
     "submit": _register_submit,
     "compile": _register_compile,
+    "import": _register_import,
 }
 
 

@@ -165,19 +165,18 @@ def custom_attention_module(
 def two_layer_module(b: int, s: int, n: int, h: int, *, dtype: str = "float16") -> Any:
     """Two stacked-attention layers of one config (kernel sharing), with an op between them."""
     width = 3 * n * h
-    with IRBuilder() as builder:
-        with rb.function():
-            R.func_name("main")
-            x = R.arg("x", R.Tensor((b, s, width), dtype))
-            with R.dataflow() as frame:
-                cur = x
-                for _ in range(2):
-                    parts = R.emit(R.split(cur, [n * h, 2 * n * h], axis=2))
-                    q = R.emit(R.reshape(parts[0], [b, s, n, h]))
-                    k = R.emit(R.reshape(parts[1], [b, s, n, h]))
-                    v = R.emit(R.reshape(parts[2], [b, s, n, h]))
-                    att = R.emit(R.reshape(R.nn.attention(q, k, v), [b, s, n * h]))
-                    cur = R.emit(R.concat([att, att, att], axis=2))
-                R.output(cur)
-            R.func_ret_value(frame.output_vars[0])
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((b, s, width), dtype))
+        with R.dataflow() as frame:
+            cur = x
+            for _ in range(2):
+                parts = R.emit(R.split(cur, [n * h, 2 * n * h], axis=2))
+                q = R.emit(R.reshape(parts[0], [b, s, n, h]))
+                k = R.emit(R.reshape(parts[1], [b, s, n, h]))
+                v = R.emit(R.reshape(parts[2], [b, s, n, h]))
+                att = R.emit(R.reshape(R.nn.attention(q, k, v), [b, s, n * h]))
+                cur = R.emit(R.concat([att, att, att], axis=2))
+            R.output(cur)
+        R.func_ret_value(frame.output_vars[0])
     return tvm.IRModule({"main": builder.get()})

@@ -132,7 +132,7 @@ def share_kernels(mod: tvm.IRModule, symbol_of: dict[str, str]) -> tvm.IRModule:
         out[gv] = func.with_attr("global_symbol", sym)
 
     @relax.expr_functor.mutator
-    class _Redirect(relax.PyExprMutator):  # type: ignore[misc]
+    class _Redirect(relax.PyExprMutator):
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)
             if isinstance(call.op, ir.GlobalVar) and call.op in redirect:

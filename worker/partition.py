@@ -405,14 +405,7 @@ def _check_common(
         )
     if nkv_i != int(nv):
         an.fail("kv_heads", nkv_i, int(nv), "k and v must have the same number of heads")
-    if nq_i != nkv_i:
-        an.fail(
-            "num_heads",
-            f"num_kv_heads == num_q_heads ({nq_i})",
-            nkv_i,
-            f"{nq_i} query heads but {nkv_i} key/value heads (GQA/MQA); the SM80 CUTLASS "
-            "kernel needs equal head counts",
-        )
+    # unequal head counts (GQA/MQA) are judged once the spec exists: see _kernel_check
     for label, hd in (("head_dim", h_i), ("head_dim_v", hv_i)):
         if hd > MAX_HEAD_DIM:
             an.fail(
@@ -815,12 +808,16 @@ def analyze_interleaved(
         return an
     src = operand_index(qkv)
     row = int(heads) * per_head
-    acc = {
-        r: TensorAccess(src, cols[r], row, per_head) for r in ("q", "k", "v")
-    }
+    acc = {r: TensorAccess(src, cols[r], row, per_head) for r in ("q", "k", "v")}
     an.order = "".join(sorted("qkv", key=lambda r: cols[r]))
     aligned = _check_alignment(
-        an, facts["dtype"], acc["q"], acc["k"], acc["v"], facts["h"], facts["hv"],
+        an,
+        facts["dtype"],
+        acc["q"],
+        acc["k"],
+        acc["v"],
+        facts["h"],
+        facts["hv"],
         facts["bias_shape"],
     )
     if aligned is None:
@@ -890,7 +887,7 @@ def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
     counter = [0]
 
     @relax.expr_functor.mutator
-    class _Tagger(relax.PyExprMutator):  # type: ignore[misc]
+    class _Tagger(relax.PyExprMutator):
         def __init__(self, mod: tvm.IRModule, fname: str, names: dict[Any, str]) -> None:
             super().__init__(mod)
             self.fname = fname
@@ -1061,7 +1058,26 @@ def _leaks(ctx: relax.transform.PatternCheckContext) -> list[tuple[str, str]]:
     return sorted(found)
 
 
-def partition(mod: tvm.IRModule, options: CompileOptions) -> PartitionResult:
+def _kernel_check(an: Analysis, arch: str, preference: str) -> None:
+    """GQA/MQA runs only where a kernel for it exists (the Hopper kernel on sm_90)."""
+    from worker.codegen import kernel_gap
+
+    spec = an.spec
+    if spec is None:
+        return
+    gap = kernel_gap(spec, arch, preference)
+    if gap is not None:
+        an.fail(
+            "num_heads",
+            f"num_kv_heads == num_q_heads ({spec.num_q_heads}), or a kernel for GQA/MQA",
+            spec.num_kv_heads,
+            f"{spec.num_q_heads} query heads but {spec.num_kv_heads} key/value heads "
+            f"(GQA/MQA) need the Hopper kernel, and {gap}",
+        )
+        an.spec = None
+
+
+def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -> PartitionResult:
     """Run the patterns over ``mod``: fused functions for sites that pass, failures for the rest."""
     mod, sites = tag_sites(mod)
     failures: dict[tuple[str, str, str], CheckFailure] = {}
@@ -1077,6 +1093,7 @@ def partition(mod: tvm.IRModule, options: CompileOptions) -> PartitionResult:
         def check(ctx: relax.transform.PatternCheckContext) -> bool:
             ann = {str(k): v for k, v in ctx.annotated_expr.items()}
             an = analyze(pdef, ann, lambda e: 0, _leaks(ctx) if pdef.kind == "stacked" else None)
+            _kernel_check(an, arch, options.kernel)
             sid = site_of(ann["attention"])
             for f in an.failures:
                 failures.setdefault(

@@ -124,7 +124,7 @@ def compile_module(
                 report.normalizations.extend(rewrites)
         say("partition")
         with timed("partition"):
-            result = partition.partition(mod, options)
+            result = partition.partition(mod, options, target.arch)
         partitioned = True
         report.matches = result.match_entries()
         report.check_failures = result.failures

@@ -90,18 +90,23 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
 def test_identical_sites_share_one_kernel_and_the_cache_hits(
     kernel_settings: Settings, tmp_path: Path
 ) -> None:
+    """Also the one end-to-end build of the Hopper kernel (the default on sm_90)."""
     res = build(two_layer_module(2, 16, 4, 64), kernel_settings, tmp_path / "a")
     assert res.report.summary.fused_stacked == 2
     symbols = {m.kernel.symbol for m in res.report.matches if m.kernel}
     assert len(symbols) == 1
+    kernel = res.report.matches[0].kernel
+    assert kernel is not None and kernel.family == "cutlass_fmha_hopper"
+    assert "Hopper FMHA" in kernel.reason
+    assert 90 in {sm for kind, sm in entries(res.library.read_bytes()) if kind == KIND_ELF}
     again = build(two_layer_module(2, 16, 4, 64), kernel_settings, tmp_path / "b")
     assert all(m.kernel and m.kernel.cache_hit for m in again.report.matches)
 
 
 def test_symbolic_batch_builds(kernel_settings: Settings, tmp_path: Path) -> None:
-    res = build(stacked_attention_module("batch", 16, 4, 64), kernel_settings, tmp_path)
+    res = build(stacked_attention_module("batch", 16, 4, 64, 32), kernel_settings, tmp_path)
     (m,) = res.report.matches
-    assert m.layout.batch_stride["q"] == 768 * 16  # only the batch is symbolic
+    assert m.layout.batch_stride["q"] == 640 * 16  # only the batch is symbolic
     assert isinstance(m.shapes["qkv"][0], str)
     assert res.library.exists()
 

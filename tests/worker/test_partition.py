@@ -230,7 +230,7 @@ CHECK_CASES: dict[str, tuple[Any, str]] = {
         "also used outside the attention pattern",
     ),
     "dtype": (lambda: stacked_attention_module(2, 8, 4, 64, dtype="float64"), "float64"),
-    "num_heads": (lambda: stacked_attention_module(2, 8, 8, 64, n_kv=2), "GQA"),
+    "num_heads": (lambda: stacked_attention_module(2, 8, 8, 64, n_kv=2), "need the Hopper kernel"),
     "head_dim_max": (lambda: stacked_attention_module(2, 8, 2, 512), "maximum of 256"),
     "head_dim_alignment": (lambda: stacked_attention_module(2, 8, 4, 30), "multiples of 4"),
     "causal_mode": (
@@ -250,7 +250,7 @@ CHECK_CASES: dict[str, tuple[Any, str]] = {
 def test_each_check_reports_a_reason(check: str) -> None:
     make, phrase = CHECK_CASES[check]
     mod = make()
-    res = partition(mod, OPTS)
+    res = partition(mod, OPTS, arch="sm_80")  # SM80: the strictest kernel set
     assert not any(f.pattern.kind == "stacked" for f in res.fused)
     hits = [f for f in res.failures if f.check == check]
     assert hits, f"no {check} failure in {[(f.check, f.message) for f in res.failures]}"
@@ -299,3 +299,14 @@ def test_plain_attention_with_bias_and_causal() -> None:
     (m,) = partition(mod, OPTS).match_entries()
     assert (m.kind, m.pattern, m.causal) == ("plain", "cutlass.attention_bias", "BottomRight")
     assert m.layout.row_stride == {"q": 256, "k": 256, "v": 128}
+
+
+def test_gqa_is_fused_on_sm90_where_the_hopper_kernel_takes_it() -> None:
+    mod = stacked_attention_module(2, 64, 8, 64, n_kv=2)
+    res = partition(mod, OPTS, arch="sm_90")
+    (m,) = res.match_entries()
+    assert m.kind == "stacked" and res.failures == []
+    assert (m.layout.k_offset, m.layout.v_offset) == (8 * 64, 10 * 64)
+    refused = partition(mod, CompileOptions(kernel="sm80"), arch="sm_90")
+    assert refused.fused == [] or refused.fused[0].pattern.kind == "plain"
+    assert any(f.check == "num_heads" for f in refused.failures)
