@@ -53,7 +53,9 @@ def _job(data: Path, cache: Path, out: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(data), str(cache), str(out)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     wall = time.monotonic() - t0
@@ -61,7 +63,8 @@ def _job(data: Path, cache: Path, out: Path) -> dict[str, Any]:
     doc["wall_seconds"] = wall
     doc["kernel_seconds"] = doc["timings"].get("codegen")
     # max RSS over every descendant reaped so far (the job process, nvcc, cicc, ptxas ...)
-    doc["children_max_rss_kib"] = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    doc["children_max_rss_kib"] = max(before, after)
     return doc
 
 
@@ -77,16 +80,17 @@ def main() -> int:
     doc = {
         "date": time.strftime("%Y-%m-%d"),
         "command": "python -m benchmarks.compile_bench",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "loadavg_after": load},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_after": load},
         "config": "stacked split, fp16, B8 S2048 N16 H128, sm_90, SM80-class CUTLASS fMHA",
         "cold": cold,
         "warm": warm,
         "goals": {
             "cold_kernel_compile_s<=15": cold["kernel_seconds"] <= 15,
             "cache_hit_s<=0.5": warm["kernel_seconds"] <= 0.5,
-            "peak_memory_per_job<=2GiB": max(cold["children_max_rss_kib"],
-                                             warm["children_max_rss_kib"]) <= 2 * 1024 * 1024,
+            "peak_memory_per_job<=2GiB": max(
+                cold["children_max_rss_kib"], warm["children_max_rss_kib"]
+            )
+            <= 2 * 1024 * 1024,
         },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
