@@ -23,7 +23,7 @@ from typing import Any
 from service.errors import CompileError
 from service.settings import Settings, get_settings
 from worker import sandbox
-from worker.codegen import COMMON_FLAGS, arch_number
+from worker.codegen import COMMON_FLAGS, arch_number, run_nvcc
 from worker.toolchain import Toolchain, find_toolchain, import_tvm
 
 import_tvm()
@@ -88,24 +88,15 @@ def _cuda_compile(code: str, *_: Any) -> bytearray:
     src = shard / f"{key}.{os.getpid()}.cu"
     src.write_text(code)
     tmp = shard / f"{key}.{os.getpid()}.fatbin.tmp"
-    result = sandbox.run(
-        [str(chain.nvcc), *flags, "-o", str(tmp), str(src)],
-        limits=sandbox.Limits(
-            timeout_s=settings.nvcc_timeout_s,
-            cpu_s=settings.nvcc_timeout_s * 2,
-            memory_bytes=settings.nvcc_memory_bytes,
-            file_bytes=settings.max_output_file_bytes,
-        ),
-        cwd=shard,
-        env=sandbox.clean_env({"PATH": f"{chain.cuda_home / 'bin'}:{os.environ.get('PATH', '')}"}),
-        what="nvcc (TVM kernels)",
-    )
     try:
-        if result.returncode != 0 or not tmp.exists():
-            raise CompileError(
-                f"nvcc could not compile TVM's CUDA kernels (exit {result.returncode})",
-                excerpt=sandbox.excerpt(result.output, [src], limit=settings.error_excerpt_chars),
-            )
+        run_nvcc(
+            [str(chain.nvcc), *flags, "-o", str(tmp), str(src)],
+            src,
+            tmp,
+            settings=settings,
+            chain=chain,
+            what="TVM's CUDA kernels",
+        )
         os.replace(tmp, out)
     finally:
         src.unlink(missing_ok=True)

@@ -291,6 +291,31 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, run);
 # --------------------------------------------------------------------------------------------
 # nvcc + cache
 # --------------------------------------------------------------------------------------------
+def run_nvcc(
+    argv: list[str], src: Path, out: Path, *, settings: Settings, chain: Toolchain, what: str
+) -> sandbox.Completed:
+    """nvcc under the sandbox's limits; a failure becomes a CompileError whose excerpt holds
+    only diagnostics about ``src`` (our own generated file)."""
+    result = sandbox.run(
+        argv,
+        limits=sandbox.Limits(
+            timeout_s=settings.nvcc_timeout_s,
+            cpu_s=settings.nvcc_timeout_s * 2,
+            memory_bytes=settings.nvcc_memory_bytes,
+            file_bytes=settings.max_output_file_bytes,
+        ),
+        cwd=src.parent,
+        env=sandbox.clean_env({"PATH": f"{chain.cuda_home / 'bin'}:{os.environ.get('PATH', '')}"}),
+        what="nvcc",
+    )
+    if result.returncode != 0 or not out.exists():
+        raise CompileError(
+            f"nvcc could not compile {what} (exit {result.returncode})",
+            excerpt=sandbox.excerpt(result.output, [src], limit=settings.error_excerpt_chars),
+        )
+    return result
+
+
 def include_flags(chain: Toolchain) -> list[str]:
     dirs = [
         *chain.cutlass_includes,
@@ -357,26 +382,13 @@ def compile_object(
             str(tmp_obj),
             str(src),
         ]
-        result = sandbox.run(
-            argv,
-            limits=sandbox.Limits(
-                timeout_s=settings.nvcc_timeout_s,
-                cpu_s=settings.nvcc_timeout_s * 2,
-                memory_bytes=settings.nvcc_memory_bytes,
-                file_bytes=settings.max_output_file_bytes,
-            ),
-            cwd=shard,
-            env=sandbox.clean_env(
-                {"PATH": f"{chain.cuda_home / 'bin'}:{os.environ.get('PATH', '')}"}
-            ),
-            what="nvcc",
-        )
-        if result.returncode != 0 or not tmp_obj.exists():
-            tmp_obj.unlink(missing_ok=True)
-            raise CompileError(
-                f"nvcc could not compile the {ks.family} kernel (exit {result.returncode})",
-                excerpt=sandbox.excerpt(result.output, [src], limit=settings.error_excerpt_chars),
+        try:
+            result = run_nvcc(
+                argv, src, tmp_obj, settings=settings, chain=chain, what=f"the {ks.family} kernel"
             )
+        except CompileError:
+            tmp_obj.unlink(missing_ok=True)
+            raise
         os.replace(tmp_obj, obj)
         meta = {
             "symbol": ks.symbol,

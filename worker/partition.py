@@ -540,15 +540,7 @@ def analyze(
     an = Analysis(pdef)
     call = ann["attention"]
     bias = ann.get("bias")
-    if leaks:
-        var, role = leaks[0]
-        an.fail(
-            "no_leak",
-            "q/k/v intermediates used only by attention",
-            f"'{var[:64]}' ({role}) used elsewhere",
-            f"'{var[:64]}' (the {role}) is also used outside the attention pattern; fusing "
-            "would drop it, so stacked fusion needs q/k/v intermediates used only by attention",
-        )
+    _leak_failure(an, leaks)
     if pdef.kind == "stacked":
         qkv = ann["stacked_qkv"]
         q, k, v = call.args[0], call.args[1], call.args[2]
@@ -616,6 +608,36 @@ def analyze(
             "v": TensorAccess(operand_index(v), 0, facts["nkv"] * facts["hv"], facts["hv"]),
         }
         seq_kv = facts["skv"]
+    inputs = [ann["stacked_qkv"]] if pdef.kind == "stacked" else [q, k, v]
+    packing = "blocked" if pdef.kind == "stacked" else "separate"
+    _finish_spec(an, facts, acc, seq_kv, inputs, bias, params, operand_index, packing)
+    return an
+
+
+def _leak_failure(an: Analysis, leaks: list[tuple[str, str]] | None) -> None:
+    if leaks:
+        var, role = leaks[0]
+        an.fail(
+            "no_leak",
+            "q/k/v intermediates used only by attention",
+            f"'{var[:64]}' ({role}) used elsewhere",
+            f"'{var[:64]}' (the {role}) is also used outside the attention pattern; fusing "
+            "would drop it, so stacked fusion needs q/k/v intermediates used only by attention",
+        )
+
+
+def _finish_spec(
+    an: Analysis,
+    facts: dict[str, Any],
+    acc: dict[str, TensorAccess],
+    seq_kv: Any,
+    inputs: list[relax.Expr],
+    bias: relax.Expr | None,
+    params: list[relax.Var] | None,
+    operand_index: Callable[[relax.Expr], int],
+    packing: str,
+) -> None:
+    """The alignment check, then ``an.spec``: shared by every pattern's analysis."""
     aligned = _check_alignment(
         an,
         facts["dtype"],
@@ -627,10 +649,9 @@ def analyze(
         facts["bias_shape"],
     )
     if aligned is None:
-        return an
-    inputs = [ann["stacked_qkv"]] if pdef.kind == "stacked" else [q, k, v]
+        return
     if bias is not None:
-        inputs.append(bias)
+        inputs = [*inputs, bias]
     shapes: tuple[tuple[int | str, ...] | None, ...]
     if params is None:
         shapes = tuple(tuple(dim_value(d) for d in (shape_of(e) or [])) for e in inputs)
@@ -657,10 +678,9 @@ def analyze(
         v=acc["v"],
         num_operands=len(shapes),
         bias=BiasSpec(operand_index(bias), facts["bias_shape"]) if bias is not None else None,
-        packing="blocked" if pdef.kind == "stacked" else "separate",
+        packing=packing,  # type: ignore[arg-type]
         operand_shapes=shapes,
     )
-    return an
 
 
 _INTERLEAVED_5D = f"{CODEGEN}.stacked_attention.interleaved_5d"
@@ -769,15 +789,7 @@ def analyze_interleaved(
     if nd == 5 and dim_value(qkv_shape[3]) != 3:
         return an
     an.shapes["qkv"] = [dim_label(d) for d in qkv_shape]
-    if leaks:
-        var, role = leaks[0]
-        an.fail(
-            "no_leak",
-            "q/k/v intermediates used only by attention",
-            f"'{var[:64]}' ({role}) used elsewhere",
-            f"'{var[:64]}' (the {role}) is also used outside the attention pattern; fusing "
-            "would drop it, so stacked fusion needs q/k/v intermediates used only by attention",
-        )
+    _leak_failure(an, leaks)
     cols = _interleaved_columns(an, ann, qkv_shape)
     facts = _check_common(an, call, q, k, v, bias)
     if cols is None or facts is None:
@@ -810,48 +822,7 @@ def analyze_interleaved(
     row = int(heads) * per_head
     acc = {r: TensorAccess(src, cols[r], row, per_head) for r in ("q", "k", "v")}
     an.order = "".join(sorted("qkv", key=lambda r: cols[r]))
-    aligned = _check_alignment(
-        an,
-        facts["dtype"],
-        acc["q"],
-        acc["k"],
-        acc["v"],
-        facts["h"],
-        facts["hv"],
-        facts["bias_shape"],
-    )
-    if aligned is None:
-        return an
-    inputs = [qkv] + ([bias] if bias is not None else [])
-    shapes: tuple[tuple[int | str, ...] | None, ...]
-    if params is None:
-        shapes = tuple(tuple(dim_value(d) for d in (shape_of(e) or [])) for e in inputs)
-    else:
-        shapes = tuple(
-            tuple(dim_value(d) for d in (shape_of(p_) or []))
-            if isinstance(p_.ty, relax.TensorType)
-            else None
-            for p_ in params
-        )
-    an.spec = AttentionSpec(
-        dtype=facts["dtype"],
-        batch=dim_value(facts["b"]),
-        seq_q=dim_value(facts["s"]),
-        seq_kv=dim_value(facts["s"]),
-        num_q_heads=facts["nq"],
-        num_kv_heads=facts["nkv"],
-        head_dim=facts["h"],
-        head_dim_v=facts["hv"],
-        scale=facts["scale"],
-        causal=facts["causal"],
-        q=acc["q"],
-        k=acc["k"],
-        v=acc["v"],
-        num_operands=len(shapes),
-        bias=BiasSpec(operand_index(bias), facts["bias_shape"]) if bias is not None else None,
-        packing="per_head",
-        operand_shapes=shapes,
-    )
+    _finish_spec(an, facts, acc, facts["s"], [qkv], bias, params, operand_index, "per_head")
     return an
 
 
