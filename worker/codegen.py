@@ -40,6 +40,12 @@ COMMON_FLAGS: tuple[str, ...] = (
     "-DNDEBUG",
     "-DCUTLASS_ENABLE_TENSOR_CORE_MMA=1",
     "-w",
+    # Only the TVM-FFI entry points (explicitly default visibility) leave the library. Without
+    # this, template statics and kernel stubs are unified across every library in a process
+    # (STB_GNU_UNIQUE / interposition): a second model with the same Hopper kernel then skipped
+    # its cudaFuncSetAttribute and failed to launch (seen on the H200).
+    "-Xcompiler=-fvisibility=hidden",
+    "-Xcompiler=-fvisibility-inlines-hidden",
 )
 
 

@@ -148,3 +148,21 @@ def test_only_stackfuse_errors_escape(kernel_settings: Settings, tmp_path: Path)
             out_dir=tmp_path,
             settings=kernel_settings,
         )
+
+
+def test_only_entry_points_are_exported(kernel_settings: Settings, tmp_path: Path) -> None:
+    """Template statics and kernel stubs stay inside the library: with default visibility the
+    loader unified them across two models in one process, and the second one's Hopper kernel
+    failed to launch (its shared-memory attribute was 'already set' by the first)."""
+    import subprocess
+
+    res = build(stacked_attention_module(2, 8, 4, 64, 32), kernel_settings, tmp_path)
+    nm = subprocess.run(
+        ["nm", "-D", "--defined-only", "-C", str(res.library)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"__tvm_ffi_{res.report.matches[0].kernel.symbol}" in nm  # type: ignore[union-attr]
+    for leaked in ("cutlass", "AttentionKernel", "device_kernel", "attention_kernel_batched"):
+        assert leaked not in nm
