@@ -240,54 +240,32 @@ def _alignment_elems(dtype: str) -> int:
     return 128 // DTYPE_BITS[dtype]
 
 
-def _stacked_blocks(
-    an: Analysis, ann: dict[str, relax.Expr], width: Any
-) -> dict[str, tuple[int, int]] | None:
-    """(begin, end) column of q, k, v within the stacked row, from the split or the slices."""
+def _split_bounds(
+    an: Analysis, split: relax.Call, want_axis: int, width: Any, what: str, axis_doc: str
+) -> list[int] | None:
+    """Where ``split`` cuts its axis: [0, end of q, end of k, end of v], or None (failure
+    recorded). Shared by the blocked ([B,S,q|k|v]) and per-head ([B,S,N,q|k|v]) layouts."""
+    axis = int(split.attrs.axis)
+    if axis < 0:
+        axis += split.args[0].ty.ndim
+    if axis != want_axis:
+        an.fail(
+            "split_axis",
+            want_axis,
+            axis,
+            f"split axis is {axis}; {what} fusion needs axis {want_axis} ({axis_doc})",
+        )
+        return None
     c = dim_value(width)
-    if "split" in ann:
-        split = ann["split"]
-        axis = int(split.attrs.axis)
-        ndim = split.args[0].ty.ndim
-        if axis < 0:
-            axis += ndim
-        if axis != 2:
-            an.fail(
-                "split_axis",
-                2,
-                axis,
-                f"split axis is {axis}; stacked fusion needs axis 2 (the feature axis of "
-                "[batch, seq, q|k|v])",
-            )
-            return None
-        ios = split.attrs.indices_or_sections
-        if _is_int_imm(ios):
-            n = int(ios if isinstance(ios, int) else ios.value)
-            if n != 3:
-                an.fail(
-                    "split_sections",
-                    3,
-                    n,
-                    f"split makes {n} equal sections; stacked fusion needs exactly 3 (q, k, v)",
-                )
-                return None
-            if not isinstance(c, int):
-                an.fail(
-                    "static_feature_dim",
-                    "static",
-                    "symbolic",
-                    "the stacked feature dim is symbolic; stacked fusion needs it static",
-                )
-                return None
-            w = c // 3
-            return {"q": (0, w), "k": (w, 2 * w), "v": (2 * w, 3 * w)}
-        idx = const_ints(ios)
-        if idx is None or len(idx) != 2:
+    ios = split.attrs.indices_or_sections
+    if _is_int_imm(ios):
+        n = int(ios if isinstance(ios, int) else ios.value)
+        if n != 3:
             an.fail(
                 "split_sections",
-                "2 split indices (3 sections)",
-                "symbolic" if idx is None else f"{len(idx)} indices",
-                "split must cut the stacked tensor into exactly 3 static sections (q, k, v)",
+                3,
+                n,
+                f"split makes {n} equal sections; {what} fusion needs exactly 3 (q, k, v)",
             )
             return None
         if not isinstance(c, int):
@@ -295,10 +273,42 @@ def _stacked_blocks(
                 "static_feature_dim",
                 "static",
                 "symbolic",
-                "the stacked feature dim is symbolic; stacked fusion needs it static",
+                f"the split axis is symbolic; {what} fusion needs it static",
             )
             return None
-        return {"q": (0, idx[0]), "k": (idx[0], idx[1]), "v": (idx[1], c)}
+        return [0, c // 3, 2 * (c // 3), c]
+    idx = const_ints(ios)
+    if idx is None or len(idx) != 2:
+        an.fail(
+            "split_sections",
+            "2 split indices (3 sections)",
+            "symbolic" if idx is None else f"{len(idx)} indices",
+            "split must cut its axis into exactly 3 static sections (q, k, v)",
+        )
+        return None
+    if not isinstance(c, int):
+        an.fail(
+            "static_feature_dim",
+            "static",
+            "symbolic",
+            f"the split axis is symbolic; {what} fusion needs it static",
+        )
+        return None
+    return [0, idx[0], idx[1], c]
+
+
+def _stacked_blocks(
+    an: Analysis, ann: dict[str, relax.Expr], width: Any
+) -> dict[str, tuple[int, int]] | None:
+    """(begin, end) column of q, k, v within the stacked row, from the split or the slices."""
+    c = dim_value(width)
+    if "split" in ann:
+        cut = _split_bounds(
+            an, ann["split"], 2, width, "stacked", "the feature axis of [batch, seq, q|k|v]"
+        )
+        if cut is None:
+            return None
+        return {"q": (cut[0], cut[1]), "k": (cut[1], cut[2]), "v": (cut[2], cut[3])}
 
     blocks: dict[str, tuple[int, int]] = {}
     for role, name in (("q", "query"), ("k", "key"), ("v", "value")):
@@ -693,47 +703,18 @@ def _interleaved_columns(
     ``3`` axis times H for rank 5), from the split or the slices."""
     rank = len(qkv_shape)
     if "split" in ann:
-        split = ann["split"]
-        axis = int(split.attrs.axis)
-        if axis < 0:
-            axis += rank
-        if axis != 3:
-            an.fail(
-                "split_axis",
-                3,
-                axis,
-                f"split axis is {axis}; interleaved fusion needs axis 3 (the per-head q|k|v "
-                "axis of [batch, seq, heads, 3*head_dim] or [batch, seq, heads, 3, head_dim])",
-            )
+        cut = _split_bounds(
+            an,
+            ann["split"],
+            3,
+            qkv_shape[3],
+            "interleaved",
+            "the per-head q|k|v axis of [batch, seq, heads, 3*head_dim] or "
+            "[batch, seq, heads, 3, head_dim]",
+        )
+        if cut is None:
             return None
-        width = dim_value(qkv_shape[3])
-        ios = split.attrs.indices_or_sections
-        if _is_int_imm(ios):
-            n = int(ios if isinstance(ios, int) else ios.value)
-            if n != 3:
-                an.fail(
-                    "split_sections",
-                    3,
-                    n,
-                    f"split makes {n} equal sections; interleaved fusion needs exactly 3",
-                )
-                return None
-            if not isinstance(width, int):
-                an.fail("static_feature_dim", "static", "symbolic", "packed axis is symbolic")
-                return None
-            step = width // 3 if rank == 4 else 1
-            cols = {"q": 0, "k": step, "v": 2 * step}
-        else:
-            idx = const_ints(ios)
-            if idx is None or len(idx) != 2:
-                an.fail(
-                    "split_sections",
-                    "2 split indices (3 sections)",
-                    "symbolic" if idx is None else f"{len(idx)} indices",
-                    "split must cut the packed axis into exactly 3 static sections (q, k, v)",
-                )
-                return None
-            cols = {"q": 0, "k": idx[0], "v": idx[1]}
+        cols = {"q": cut[0], "k": cut[1], "v": cut[2]}
         if rank == 5:
             h = dim_value(qkv_shape[4])
             if not isinstance(h, int):
