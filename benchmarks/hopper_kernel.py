@@ -138,28 +138,17 @@ def catalog() -> list[Slot]:
 
 
 def _spec_for(slot: Slot) -> Any:
-    from worker.attention import DYNAMIC, AttentionSpec, TensorAccess
+    from worker.attention import DYNAMIC, AttentionSpec, TensorAccess, stacked_spec
 
     h, nq, nkv = slot.head_dim, slot.nq, slot.nkv
     if slot.kind == "stacked":
-        c = (nq + 2 * nkv) * h
-        return AttentionSpec(
-            dtype=slot.dtype,  # type: ignore[arg-type]
-            batch=DYNAMIC,
-            seq_q=DYNAMIC,
-            seq_kv=DYNAMIC,
-            num_q_heads=nq,
-            num_kv_heads=nkv,
-            head_dim=h,
-            head_dim_v=h,
-            scale=1.0 / math.sqrt(h),
-            causal=slot.causal,  # type: ignore[arg-type]
-            q=TensorAccess(0, 0, c, h),
-            k=TensorAccess(0, nq * h, c, h),
-            v=TensorAccess(0, (nq + nkv) * h, c, h),
-            num_operands=1,
-            operand_shapes=((DYNAMIC, DYNAMIC, c),),
-        )
+        return stacked_spec(
+            dtype=slot.dtype,
+            nq=nq,
+            nkv=nkv,
+            h=h,  # type: ignore[arg-type]
+            causal=slot.causal,
+        )  # type: ignore[arg-type]
     cq, ckv = nq * h, 2 * nkv * h
     return AttentionSpec(
         dtype=slot.dtype,  # type: ignore[arg-type]

@@ -83,3 +83,35 @@ class AttentionSpec:
         """Identical workloads share one kernel object: this names it."""
         blob = json.dumps(asdict(self), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def stacked_spec(
+    *,
+    dtype: DType,
+    nq: int,
+    nkv: int,
+    h: int,
+    causal: Causal = "none",
+    batch: int | str = DYNAMIC,
+    seq: int | str = DYNAMIC,
+) -> AttentionSpec:
+    """The spec of stacked attention straight from ``qkv[B, S, (Nq + 2 Nkv) H]`` (q|k|v blocks
+    in order, one operand): for benchmarks and tests that drive a kernel without a module."""
+    c = (nq + 2 * nkv) * h
+    return AttentionSpec(
+        dtype=dtype,
+        batch=batch,
+        seq_q=seq,
+        seq_kv=seq,
+        num_q_heads=nq,
+        num_kv_heads=nkv,
+        head_dim=h,
+        head_dim_v=h,
+        scale=1.0 / (h**0.5),
+        causal=causal,
+        q=TensorAccess(0, 0, c, h),
+        k=TensorAccess(0, nq * h, c, h),
+        v=TensorAccess(0, (nq + nkv) * h, c, h),
+        num_operands=1,
+        operand_shapes=((batch, seq, c),),
+    )

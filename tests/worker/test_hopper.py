@@ -7,7 +7,6 @@ benchmarks/results/hopper_kernel.md); here: CPU logic, and one real nvcc compile
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from worker import hopper
-from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess
+from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
 
 
 def stacked(
@@ -28,23 +27,14 @@ def stacked(
     h: int = 128,
     causal: str = "none",
 ) -> AttentionSpec:
-    c = (nq + 2 * nkv) * h
-    return AttentionSpec(
-        dtype=dtype,  # type: ignore[arg-type]
-        batch=batch,
-        seq_q=seq,
-        seq_kv=seq,
-        num_q_heads=nq,
-        num_kv_heads=nkv,
-        head_dim=h,
-        head_dim_v=h,
-        scale=1.0 / math.sqrt(h),
+    return stacked_spec(
+        dtype=dtype,
+        nq=nq,
+        nkv=nkv,
+        h=h,
         causal=causal,  # type: ignore[arg-type]
-        q=TensorAccess(0, 0, c, h),
-        k=TensorAccess(0, nq * h, c, h),
-        v=TensorAccess(0, (nq + nkv) * h, c, h),
-        num_operands=1,
-        operand_shapes=((batch, seq, c),),
+        batch=batch,
+        seq=seq,
     )
 
 
