@@ -10,6 +10,7 @@ and a per-key file lock stops concurrent workers from compiling the same object 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -339,6 +340,19 @@ def include_flags(chain: Toolchain) -> list[str]:
     return out
 
 
+_OUR_HEADERS = Path(__file__).resolve().parent / "kernels"
+
+
+@functools.cache
+def headers_digest(root: Path = _OUR_HEADERS) -> str:
+    """sha256 over the headers we ship (``worker/kernels``): the generated units include them,
+    so an object built before an edit to them must not be served after it."""
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def cache_key(ks: KernelSource, chain: Toolchain) -> str:
     from service.spec import toolchain_versions
 
@@ -346,6 +360,7 @@ def cache_key(ks: KernelSource, chain: Toolchain) -> str:
         {
             "source": ks.source,
             "flags": [*COMMON_FLAGS, *ks.flags],
+            "headers": headers_digest(),
             "nvcc": chain.nvcc_version,
             "cutlass": toolchain_versions().get("nvidia-cutlass", "?"),
         },
@@ -426,9 +441,15 @@ def select_kernel(
         variant = hopper.variants(spec)[0]
         symbol = kernel_symbol(FAMILY_HOPPER, spec, arch, variant)
         tile, causal, size = hopper.shape_class(spec)
+        grouped = (
+            f", GQA {spec.num_q_heads}/{spec.num_kv_heads}"
+            if spec.num_q_heads != spec.num_kv_heads
+            else ""
+        )
         reason = (
-            f"Hopper FMHA {variant} (TMA + warp-specialized, sm_90a): the H200-measured pick for "
-            f"head dim {tile}, {'causal' if causal else 'non-causal'}, {size} launches"
+            f"Hopper FMHA {variant} ({hopper.VARIANTS[variant].kind}, sm_90a): the H200-measured "
+            "pick for "
+            f"head dim {tile}, {'causal' if causal else 'non-causal'}, {size} launches{grouped}"
         )
         return hopper.render(spec, symbol, variant), reason
     if preference == "hopper":

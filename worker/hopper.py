@@ -43,6 +43,11 @@ _MAX_OPERANDS = 8  # kMaxOperands in hopper_fmha_tvm.cuh
 _MAX_RANK = 6  # kMaxRank there
 
 
+_TMA = "cutlass::gemm::KernelTma"
+_COOP = "cutlass::gemm::KernelTmaWarpSpecializedCooperative"
+_PING = "cutlass::gemm::KernelTmaWarpSpecializedPingpong"
+
+
 @dataclass(frozen=True)
 class Variant:
     """One instantiation of the example's forward kernel."""
@@ -55,6 +60,15 @@ class Variant:
     options: tuple[str, ...] = ()
 
     @property
+    def kind(self) -> str:
+        """The schedule in words, for the report."""
+        return {
+            _TMA: "TMA, not warp-specialized",
+            _COOP: "TMA + warp-specialized, cooperative",
+            _PING: "TMA + warp-specialized, ping-pong, persistent",
+        }[self.schedule]
+
+    @property
     def config(self) -> dict[str, int | bool | str]:
         return {
             "variant": self.name,
@@ -64,12 +78,13 @@ class Variant:
         }
 
 
-_TMA = "cutlass::gemm::KernelTma"
-_COOP = "cutlass::gemm::KernelTmaWarpSpecializedCooperative"
-_PING = "cutlass::gemm::KernelTmaWarpSpecializedPingpong"
 _THREE_MMA_WARPGROUPS = (
     "cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kNumMmaWarpGroups, cute::Int<3>>",
 )
+
+#: the example's tile order (batch before heads); ours walks the heads first
+_BATCH_MAJOR = ("stackfuse::hopper::BatchMajor",)
+
 
 #: every variant, by name; "tma" is the non-warp-specialized kernel (2 CTAs per SM),
 #: "coop" two consumer warpgroups sharing one CTA tile, "pingpong" the persistent version of it
@@ -78,10 +93,12 @@ VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
         Variant("tma_64x128", _TMA, 64, 128),
+        Variant("tmaB_64x128", _TMA, 64, 128, _BATCH_MAJOR),
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
         Variant("pingpong_128x128", _PING, 128, 128),
+        Variant("pingpongB_128x128", _PING, 128, 128, _BATCH_MAJOR),
         # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
         Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
         Variant("pingpong3_192x128", _PING, 192, 128, _THREE_MMA_WARPGROUPS),
@@ -94,38 +111,64 @@ VARIANTS: dict[str, Variant] = {
 #: (334-351 vs 414-453 TFLOP/s at B2 S8192 N16), so they are not offered there.
 _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
     32: ("tma_64x128", "coop_128x64"),
-    64: ("pingpong3_192x128", "coop3_192x128", "pingpong_128x128", "tma_64x128"),
-    128: ("pingpong_128x128", "coop_128x128"),
+    64: ("pingpong3_192x128", "coop3_192x128", "pingpong_128x128", "tma_64x128", "tmaB_64x128"),
+    128: ("pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
     256: ("coop_128x64",),
 }
 
-#: Per shape class, the variant to use, from two H200 runs (benchmarks/results/hopper_kernel.md;
-#: TFLOP/s of the pick, run 1 / run 2). Keys: (tile head dim, causal?, "small" | "large"), "small"
-#: meaning fewer query tiles x heads x batch than about two waves of 128-row tiles on 132 SMs.
+#: Per shape class, the variant to use, from three H200 runs (benchmarks/results/
+#: hopper_kernel.md; TFLOP/s of the pick, run 1 / run 2 / run 3; runs 1-2 timed the example's
+#: batch-major order and G launches per GQA group, run 3 ours). Keys: (tile head dim, causal?,
+#: size): "tiny" = fewer 128-row query tiles x heads x batch than the H200's 132 SMs, "small" =
+#: fewer than two waves of them or a key length of at most SHORT_SEQ_KV, else "large".
 #: The SM80-class kernel never won a shape the Hopper kernel takes (B32 S128 N12 H64: ~30
 #: TFLOP/s against ~134), so no class maps to it; it stays the kernel for what supports()
 #: rejects and for other archs. "unmeasured": no benchmark shape of that class was run.
 SELECTION: dict[tuple[int, bool, str], str] = {
-    (32, False, "large"): "tma_64x128",  # B8 S2048 N16: 225 vs coop_128x64 186
+    (32, False, "large"): "tma_64x128",  # B8 S2048 N16: 225 / 225 vs coop_128x64 186 / 185
     (32, True, "large"): "coop_128x64",  # unmeasured; tma at d32 causal not checked on GPU
     (32, False, "small"): "tma_64x128",  # unmeasured
     (32, True, "small"): "coop_128x64",  # unmeasured
-    (64, False, "large"): "pingpong3_192x128",  # B2 S8192 N16: 453 / 441 (coop3 440 / 449)
-    (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 (pingpong3 312)
-    (64, False, "small"): "pingpong_128x128",  # B32 S128 N12 (BERT): 135 / 134
+    (32, False, "tiny"): "tma_64x128",  # unmeasured
+    (32, True, "tiny"): "coop_128x64",  # unmeasured
+    (64, False, "large"): "pingpong3_192x128",  # B2 S8192 N16: 453 / 441 / 432 (coop3 445 in 3)
+    (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 / 344 (pingpong3 315)
+    (
+        64,
+        False,
+        "small",
+    ): "pingpong_128x128",  # BERT B32 S128 N12: 134 / 133; B32 S256 GQA 16/4: 263
     (64, True, "small"): "pingpong_128x128",  # unmeasured
-    (128, False, "large"): "pingpong_128x128",  # B8 S2048 N16: 645 / 609; B4 S4096 N32: 601 / 594
-    (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 (serpentine schedule)
+    # B4 S128 N12: 64-row tiles halve each CTA's serial chain: 49 vs pingpong_128x128 37 (run 3)
+    (64, False, "tiny"): "tma_64x128",
+    (64, True, "tiny"): "pingpong_128x128",  # unmeasured
+    (128, False, "large"): "pingpong_128x128",  # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610
+    (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 / 544 (serpentine)
     (128, False, "small"): "pingpong_128x128",  # unmeasured
     (128, True, "small"): "pingpong_128x128",  # unmeasured
-    (256, False, "large"): "coop_128x64",  # the only variant; B4 S2048 N8: 661
+    (128, False, "tiny"): "pingpong_128x128",  # unmeasured
+    (128, True, "tiny"): "pingpong_128x128",  # unmeasured
+    (256, False, "large"): "coop_128x64",  # the only variant; B4 S2048 N8: 661 / 668
     (256, True, "large"): "coop_128x64",
     (256, False, "small"): "coop_128x64",
     (256, True, "small"): "coop_128x64",
+    (256, False, "tiny"): "coop_128x64",
+    (256, True, "tiny"): "coop_128x64",
 }
 
+#: GQA/MQA (Nq > Nkv) classes where another variant wins (run 3, one launch per group):
+#: B8 S2048 Nq32 Nkv8 H128: coop_128x128 631 TFLOP/s vs pingpong_128x128 578.
+SELECTION_GROUPED: dict[tuple[int, bool, str], str] = {
+    (128, False, "large"): "coop_128x128",
+}
+
+#: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)
+TINY_CTAS = 132
 #: CTAs below which a launch counts as "small" (about two waves of the H200's 132 SMs)
 SMALL_CTAS = 264
+#: key lengths up to which a launch counts as "small" too: one or two key tiles per CTA, where
+#: per-CTA fixed costs dominate (BERT-base, 384 CTAs: 128-row tiles 12.0 us, 192-row 13.4 us)
+SHORT_SEQ_KV = 256
 
 
 def tile_head_dim(head_dim: int) -> int | None:
@@ -218,8 +261,22 @@ def shape_class(spec: AttentionSpec) -> tuple[int, bool, str]:
     """The SELECTION key of ``spec``; dynamic shapes count as large."""
     tile = tile_head_dim(spec.head_dim) or 0
     ctas = _ctas(spec, 128)
-    size = "small" if ctas is not None and ctas < SMALL_CTAS else "large"
+    short = isinstance(spec.seq_kv, int) and spec.seq_kv <= SHORT_SEQ_KV
+    if ctas is not None and ctas < TINY_CTAS:
+        size = "tiny"
+    elif short or (ctas is not None and ctas < SMALL_CTAS):
+        size = "small"
+    else:
+        size = "large"
     return (tile, spec.causal != "none", size)
+
+
+def pick(spec: AttentionSpec) -> str | None:
+    """The measured variant for ``spec``'s shape class (GQA classes may differ), or None."""
+    key = shape_class(spec)
+    if spec.num_q_heads != spec.num_kv_heads and key in SELECTION_GROUPED:
+        return SELECTION_GROUPED[key]
+    return SELECTION.get(key)
 
 
 def variants(spec: AttentionSpec) -> list[str]:
@@ -228,7 +285,7 @@ def variants(spec: AttentionSpec) -> list[str]:
     if tile is None:
         return []
     names = list(_BY_HEAD_DIM[tile])
-    best = SELECTION.get(shape_class(spec))
+    best = pick(spec)
     if best in names:
         names.remove(best)
         names.insert(0, best)
@@ -337,7 +394,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
     flags = (GENCODE, *(f"-I{p}" for p in include_dirs()))
     config: dict[str, int | bool | str] = {**v.config, "tile_head_dim": tile}
     workspace: int | str
-    per_row = 4 * spec.num_kv_heads  # the epilogue's log-sum-exp, shared by a GQA group's launches
+    per_row = 4 * spec.num_q_heads  # the epilogue's log-sum-exp, one float per query row
     if isinstance(spec.batch, int) and isinstance(spec.seq_q, int):
         workspace = spec.batch * spec.seq_q * per_row
     else:

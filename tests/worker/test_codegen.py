@@ -169,6 +169,30 @@ def test_spec_holds_no_strings_but_dynamic_markers() -> None:
 # nvcc + cache (real nvcc; shares the session kernel cache)
 # --------------------------------------------------------------------------------------------
 @pytest.mark.nvcc
+def test_cache_key_follows_the_headers_we_ship(
+    kernel_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an edit to worker/kernels/*.cuh must not be answered with an object built before it
+    root = tmp_path / "kernels"
+    root.mkdir()
+    (root / "a.cuh").write_text("int x;")
+    before = codegen.headers_digest.__wrapped__(root)
+    (root / "a.cuh").write_text("int y;")
+    assert codegen.headers_digest.__wrapped__(root) != before
+    assert codegen.headers_digest() == codegen.headers_digest.__wrapped__(codegen._OUR_HEADERS)
+
+    from worker.toolchain import find_toolchain
+
+    chain = find_toolchain(kernel_settings)
+    spec = spec_of(stacked_attention_module(4, 8, 32, 64, 32))
+    ks, _ = codegen.select_kernel(spec, "sm_90", "auto")
+    keys = set()
+    for digest in ("one", "two"):
+        monkeypatch.setattr(codegen, "headers_digest", lambda d=digest: d)
+        keys.add(codegen.cache_key(ks, chain))
+    assert len(keys) == 2
+
+
 def test_compile_then_cache_hit_runs_no_nvcc(kernel_settings: Settings, tmp_path: Path) -> None:
     spec = spec_of(stacked_attention_module(4, 8, 32, 64, 32))
     ks, _ = codegen.select_kernel(spec, "sm_90", "auto")

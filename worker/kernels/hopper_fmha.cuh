@@ -6,9 +6,12 @@
 //     key length that is not a multiple of the key tile, with all bounds read at run time;
 //   * `Problem`: Q, K, V and O addressed by base pointer + CuTe strides (row, batch, head), so
 //     a stacked [B, S, (Nq + 2 Nkv) * H] tensor is read in place, without copies;
-//   * GQA/MQA: the example's problem shape has one head mode shared by Q, K and V, so a group of
-//     G = Nq / Nkv query heads is run as G launches; launch g reads query heads g, g+G, ...,
-//     i.e. it maps query head kv*G + g to key/value head kv (PyTorch's enable_gqa convention);
+//   * GQA/MQA in one launch (`GroupedMainloop`): the mainloop sees the head mode as (G, Nkv)
+//     with K/V stride (0, H), so query head kv*G + g reads key/value head kv (PyTorch's
+//     enable_gqa convention) straight from the stacked tensor; the non-warp-specialized kernel,
+//     whose mainloop fixes its strides, still runs a group as G launches;
+//   * heads-first tile order (the heads in the problem shape's first mode), so CTAs running
+//     together read neighbouring columns of the same stacked rows (`BatchMajor`: the example's);
 //   * tile schedulers for causal masks (`HeavyFirstScheduler`, `SerpentineScheduler`) that
 //     even out the unequal cost of causal query blocks (+11% measured on an H200);
 //   * `launch<Cfg>()`: builds the TMA descriptors (cached per thread for repeated pointers),
@@ -22,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -204,23 +208,109 @@ struct SerpentineScheduler {
   }
 };
 
-namespace detail {
-
-template <class Element, class TileShape, class Stride, class Fusion, class Schedule,
-          bool kCausal, class... Options>
-struct Compose {
-  // KernelTma (not warp-specialized): the example's builder, its fixed scheduler
-  using Kernel =
-      typename cutlass::fmha::kernel::FmhaBuilder<Element, float, float, TileShape, Stride, Stride,
-                                                  Stride, Fusion, Schedule, Options...>::Kernel;
+// Tile order. The example's problem shape is (B, H, Sq, Sk, D) and its schedulers walk query
+// blocks, then mode 0, then mode 1. We put the heads in mode 0 ("heads first"): CTAs that run
+// together then read neighbouring columns of the same rows of the stacked tensor (one row holds
+// every head's Q, K and V), and a GQA group's query heads share their K/V tiles in L2. The
+// example's batch-first order stays available as an option (`BatchMajor`), for comparison.
+struct BatchMajor {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1000);  // not CUTLASS's
+  using option_value = cute::true_type;
 };
 
-template <class Element, class TileShape, class Stride, class Fusion, bool kCausal,
+template <class... Options>
+inline constexpr bool kHeadsFirst = !(std::is_same_v<Options, BatchMajor> || ...);
+
+// GQA/MQA in one launch. The kernel keeps a flat problem shape (Nq, B, Sq, Sk, D) (heads first;
+// (B, Nq, ...) batch-major): schedulers, epilogue (O and LSE are linear in the query head) and
+// mask see Nq heads. Only the loads need to know that query head h = g + G * kv reads key/value
+// head kv: this mainloop hands the base mainloop the head mode as (G, Nkv), with Q strides
+// (H, G H) and K/V strides (_0, H). A static zero stride drops out of the TMA descriptor (CuTe
+// filters it), so K/V tiles are the same TMA boxes as without groups; nothing is copied.
+template <class Base, bool kHeadsMode0>
+struct GroupedMainloop : Base {
+  struct Arguments : Base::Arguments {
+    int groups;
+    int kv_heads;
+  };
+  struct Params : Base::Params {
+    int groups;
+    int kv_heads;
+  };
+
+  template <class ProblemShape>
+  CUTLASS_HOST_DEVICE static auto grouped(ProblemShape const& ps, int groups, int kv_heads) {
+    auto heads = cute::make_tuple(groups, kv_heads);
+    if constexpr (kHeadsMode0) {
+      return cute::make_tuple(heads, cute::get<1>(ps), cute::get<2>(ps), cute::get<3>(ps),
+                              cute::get<4>(ps));
+    } else {
+      return cute::make_tuple(cute::get<0>(ps), heads, cute::get<2>(ps), cute::get<3>(ps),
+                              cute::get<4>(ps));
+    }
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& ps, Arguments const& args,
+                                        void* workspace) {
+    return Params{
+        Base::to_underlying_arguments(grouped(ps, args.groups, args.kv_heads), args, workspace),
+        args.groups, args.kv_heads};
+  }
+
+  template <bool kLoadQ, class BlkCoord, class ProblemShape, class... Rest>
+  CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk_coord,
+                                      Params const& params, ProblemShape const& ps,
+                                      Rest&&... rest) {
+    Base::template load_kv_maybe_q<kLoadQ>(block_rank_in_cluster, blk_coord, params,
+                                           grouped(ps, params.groups, params.kv_heads),
+                                           std::forward<Rest>(rest)...);
+  }
+
+  template <class BlkCoord, class ProblemShape, class... Rest>
+  CUTLASS_DEVICE void load_maybe_q(BlkCoord const& blk_coord, Params const& params,
+                                   ProblemShape const& ps, Rest&&... rest) {
+    Base::load_maybe_q(blk_coord, params, grouped(ps, params.groups, params.kv_heads),
+                       std::forward<Rest>(rest)...);
+  }
+};
+
+namespace detail {
+
+// (row, 1, (mode 0, mode 1)): the example's strides; the non-warp-specialized kernel's only ones
+using FlatStride = cute::tuple<int, _1, cute::tuple<int, int>>;
+// Q and K/V of a grouped mainloop: the head mode is (group, kv head)
+template <bool kHeadsMode0>
+using GroupedStrideQ =
+    std::conditional_t<kHeadsMode0,
+                       cute::tuple<int, _1, cute::tuple<cute::tuple<int, int>, int>>,
+                       cute::tuple<int, _1, cute::tuple<int, cute::tuple<int, int>>>>;
+template <bool kHeadsMode0>
+using GroupedStrideKV =
+    std::conditional_t<kHeadsMode0,
+                       cute::tuple<int, _1, cute::tuple<cute::tuple<cute::_0, int>, int>>,
+                       cute::tuple<int, _1, cute::tuple<int, cute::tuple<cute::_0, int>>>>;
+
+template <class Element, class TileShape, class Fusion, class Schedule, bool kCausal,
           class... Options>
-struct Compose<Element, TileShape, Stride, Fusion,
-               cutlass::gemm::KernelTmaWarpSpecializedCooperative, kCausal, Options...> {
-  using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Options...>;
+struct Compose {
+  // KernelTma (not warp-specialized): the example's builder, its fixed scheduler and strides
+  static constexpr bool kGrouped = false;
+  using Kernel = typename cutlass::fmha::kernel::FmhaBuilder<
+      Element, float, float, TileShape, FlatStride, FlatStride, FlatStride, Fusion, Schedule,
+      Options...>::Kernel;
+};
+
+template <class Element, class TileShape, class Fusion, bool kCausal, class... Options>
+struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+               kCausal, Options...> {
+  static constexpr bool kGrouped = true;
+  static constexpr bool kHeads0 = kHeadsFirst<Options...>;
+  using Mainloop = GroupedMainloop<
+      cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+          Element, float, float, TileShape, GroupedStrideQ<kHeads0>, GroupedStrideKV<kHeads0>,
+          GroupedStrideKV<kHeads0>, Fusion, Options...>,
+      kHeads0>;
   using Epilogue =
       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Scheduler = std::conditional_t<kCausal, HeavyFirstScheduler,
@@ -231,17 +321,20 @@ struct Compose<Element, TileShape, Stride, Fusion,
 
 // Ping-pong: the cooperative kernel made persistent with Q loaded by its own warp, as the
 // example's builder does, with our scheduler for causal masks.
-template <class Element, class TileShape, class Stride, class Fusion, bool kCausal,
-          class... Options>
-struct Compose<Element, TileShape, Stride, Fusion,
-               cutlass::gemm::KernelTmaWarpSpecializedPingpong, kCausal, Options...> {
+template <class Element, class TileShape, class Fusion, bool kCausal, class... Options>
+struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+               kCausal, Options...> {
+  static constexpr bool kGrouped = true;
+  static constexpr bool kHeads0 = kHeadsFirst<Options...>;
   using Persistent = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kIsPersistent,
                                                    cute::true_type>;
   using QSeparately = cutlass::fmha::kernel::Option<
       cutlass::fmha::kernel::Tag::kLoadsQSeparately, cute::true_type>;
-  using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Options..., Persistent,
-      QSeparately>;
+  using Mainloop = GroupedMainloop<
+      cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+          Element, float, float, TileShape, GroupedStrideQ<kHeads0>, GroupedStrideKV<kHeads0>,
+          GroupedStrideKV<kHeads0>, Fusion, Options..., Persistent, QSeparately>,
+      kHeads0>;
   using Epilogue =
       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Scheduler = std::conditional_t<kCausal, SerpentineScheduler,
@@ -259,11 +352,14 @@ template <class Element_, int kBlockQ, int kBlockKV, int kHeadDim, class Schedul
           class... Options>
 struct Config {
   using Element = Element_;
-  using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head))
   using TileShape = cute::Shape<cute::Int<kBlockQ>, cute::Int<kBlockKV>, cute::Int<kHeadDim>>;
-  using Kernel = typename detail::Compose<Element_, TileShape, Stride, StackfuseMask<kMode>,
-                                          Schedule, kMode != CausalMode::kNone,
-                                          Options...>::Kernel;
+  using Composed = detail::Compose<Element_, TileShape, StackfuseMask<kMode>, Schedule,
+                                   kMode != CausalMode::kNone, Options...>;
+  using Kernel = typename Composed::Kernel;
+  // one launch for a whole GQA group (else one launch per query head of a group)
+  static constexpr bool kGrouped = Composed::kGrouped;
+  // heads in the problem shape's mode 0 (walked before the batch), else the example's order
+  static constexpr bool kHeadsMode0 = kHeadsFirst<Options...>;
 };
 
 // Strides in elements. Batch stride of an operand is row * seq_len of that operand.
@@ -284,10 +380,10 @@ struct Problem {
   int device_id;
 };
 
-// Bytes of the scratch buffer `launch` needs. The G launches of a GQA group run one after the
-// other on the caller's stream and share it.
-inline int64_t lse_bytes(int batch, int kv_heads, int seq_q) {
-  return int64_t(batch) * kv_heads * seq_q * int64_t(sizeof(float));
+// Bytes of the scratch buffer `launch` needs: one float per query row and query head (the
+// launches of a group, where there are several, run one after the other and share it).
+inline int64_t lse_bytes(int batch, int q_heads, int seq_q) {
+  return int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float));
 }
 
 inline bool fits_int(int64_t x) { return x >= 0 && x <= INT32_MAX; }
@@ -391,6 +487,36 @@ struct ParamsCache {
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Parameters of one launch, from the cache or built (TMA descriptors encoded) and cached.
+template <class Kernel>
+typename Kernel::Params const* cached_params(ParamsCache<Kernel>& cache, ParamsKey const& key,
+                                             typename Kernel::Arguments const& args, float scale) {
+  typename Kernel::Params const* params = cache.find(key);
+  if (params == nullptr) {
+    // no Kernel::can_implement: its seq_q % 8 rule is not needed (TMA clips the ragged query
+    // tile; checked on an H200), and head_dim <= tile, % 8 is checked when the code is made
+    typename Kernel::Params fresh = Kernel::to_underlying_arguments(args, nullptr);
+    fresh.mainloop.scale_softmax = scale;
+    fresh.mainloop.scale_softmax_log2 = float(double(scale) * 1.4426950408889634);
+    params = cache.insert(key, fresh);
+  }
+  return params;
+}
+
+template <class Kernel>
+Status launch_one(typename Kernel::Params const& params, cudaStream_t stream,
+                  cudaError_t* cuda_error) {
+  dim3 const grid = Kernel::get_grid_shape(params);
+  dim3 const block = Kernel::get_block_shape();
+  cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(params);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    if (cuda_error != nullptr) *cuda_error = err;
+    return Status::kLaunch;
+  }
+  return Status::kOk;
+}
+
 template <class Cfg>
 Status launch(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error = nullptr) {
   using Kernel = typename Cfg::Kernel;
@@ -405,7 +531,7 @@ Status launch(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error = n
     if (!fits_int(s)) return Status::kStrideOverflow;
     if ((s * kElem) % 16 != 0) return Status::kMisaligned;
   }
-  if (!fits_int(int64_t(p.batch) * p.kv_heads * p.seq_q)) return Status::kStrideOverflow;
+  if (!fits_int(int64_t(p.batch) * p.q_heads * p.seq_q)) return Status::kStrideOverflow;
   if (!aligned16(p.q.ptr) || !aligned16(p.k.ptr) || !aligned16(p.v.ptr) || !aligned16(p.o)) {
     return Status::kMisaligned;
   }
@@ -416,69 +542,87 @@ Status launch(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error = n
   Status st = ensure_smem_attribute<Kernel>(p.device_id);
   if (st != Status::kOk) return st;
 
-  using StrideQKV = cute::tuple<int, _1, cute::tuple<int, int>>;
-  using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
-  StrideQKV dQ{int(p.q.row), _1{}, {int(p.q.batch), int(p.q.head * groups)}};
-  StrideQKV dK{int(p.k.row), _1{}, {int(p.k.batch), int(p.k.head)}};
-  StrideQKV dV{int(p.v.row), _1{}, {int(p.v.batch), int(p.v.head)}};
-  StrideQKV dO{int(p.o_row), _1{}, {int(p.o_batch), int(p.o_head * groups)}};
-  StrideLSE dLSE{_1{}, {int(p.kv_heads) * p.seq_q, p.seq_q}};
-
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device_id;
   hw.sm_count = sms;
 
-  float const scale_log2 = float(double(p.scale) * 1.4426950408889634);
+  ParamsKey key;
+  std::memset(&key, 0, sizeof(key));
+  key.k = p.k.ptr;
+  key.v = p.v.ptr;
+  key.lse = p.lse;
+  std::memcpy(key.strides, strides, sizeof(strides));
+  key.dims[0] = p.batch;
+  key.dims[1] = p.kv_heads;
+  key.dims[2] = p.seq_q;
+  key.dims[3] = p.seq_kv;
+  key.dims[4] = p.head_dim;
+  key.sms = hw.sm_count;
+  key.device = p.device_id;
+  key.scale = p.scale;
 
   thread_local ParamsCache<Kernel> cache;
+  using StrideO = detail::FlatStride;  // O and LSE are linear in the query head
+  using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
+  constexpr bool kH0 = Cfg::kHeadsMode0;
+  // (mode 0, mode 1) of the problem shape and of every L stride: (heads, batch) or (batch, heads)
+  auto modes = [](auto heads, auto batch) {
+    if constexpr (kH0) {
+      return cute::make_tuple(heads, batch);
+    } else {
+      return cute::make_tuple(batch, heads);
+    }
+  };
 
-  for (int g = 0; g < groups; ++g) {
-    auto const* q = static_cast<const Element*>(p.q.ptr) + int64_t(g) * p.q.head;
-    auto* o = static_cast<Element*>(p.o) + int64_t(g) * p.o_head;
-    float* lse = p.lse;
-
-    ParamsKey key;
-    std::memset(&key, 0, sizeof(key));
-    key.q = q;
-    key.k = p.k.ptr;
-    key.v = p.v.ptr;
-    key.o = o;
-    key.lse = lse;
-    std::memcpy(key.strides, strides, sizeof(strides));
-    key.dims[0] = p.batch;
-    key.dims[1] = p.kv_heads;
-    key.dims[2] = p.seq_q;
-    key.dims[3] = p.seq_kv;
-    key.dims[4] = p.head_dim;
-    key.sms = hw.sm_count;
-    key.device = p.device_id;
-    key.scale = p.scale;
-
-    typename Kernel::Params const* params = cache.find(key);
-    if (params == nullptr) {
-      // no Kernel::can_implement: its seq_q % 8 rule is not needed (TMA clips the ragged query
-      // tile; checked on an H200), and head_dim <= tile, % 8 is checked when the code is made
+  if constexpr (Cfg::kGrouped) {
+    // One launch: query head h = g + G * kv of Nq heads (Q stride H) reads key/value head kv.
+    using StrideQ = detail::GroupedStrideQ<kH0>;
+    using StrideKV = detail::GroupedStrideKV<kH0>;
+    auto const q_heads = cute::make_tuple(int(p.q.head), int(p.q.head * groups));
+    StrideQ dQ{int(p.q.row), _1{}, modes(q_heads, int(p.q.batch))};
+    StrideKV dK{int(p.k.row), _1{}, modes(cute::make_tuple(cute::_0{}, int(p.k.head)),
+                                          int(p.k.batch))};
+    StrideKV dV{int(p.v.row), _1{}, modes(cute::make_tuple(cute::_0{}, int(p.v.head)),
+                                          int(p.v.batch))};
+    StrideO dO{int(p.o_row), _1{}, modes(int(p.o_head), int(p.o_batch))};
+    StrideLSE dLSE{_1{}, modes(p.seq_q, int(p.q_heads) * p.seq_q)};
+    auto const m = modes(p.q_heads, p.batch);
+    key.q = p.q.ptr;
+    key.o = p.o;
+    typename Kernel::Arguments args{
+        {cute::get<0>(m), cute::get<1>(m), p.seq_q, p.seq_kv, p.head_dim},
+        {{static_cast<const Element*>(p.q.ptr), dQ, static_cast<const Element*>(p.k.ptr), dK,
+          static_cast<const Element*>(p.v.ptr), dV},
+         groups,
+         p.kv_heads},
+        {static_cast<Element*>(p.o), dO, p.lse, dLSE},
+        hw};
+    return launch_one<Kernel>(*cached_params(cache, key, args, p.scale), stream, cuda_error);
+  } else {
+    // The example's non-warp-specialized mainloop fixes its strides: launch g of G reads query
+    // heads g, g + G, ... (stride G H) against all Nkv key/value heads.
+    StrideO dQ{int(p.q.row), _1{}, modes(int(p.q.head * groups), int(p.q.batch))};
+    StrideO dK{int(p.k.row), _1{}, modes(int(p.k.head), int(p.k.batch))};
+    StrideO dV{int(p.v.row), _1{}, modes(int(p.v.head), int(p.v.batch))};
+    StrideO dO{int(p.o_row), _1{}, modes(int(p.o_head * groups), int(p.o_batch))};
+    StrideLSE dLSE{_1{}, modes(p.seq_q, int(p.kv_heads) * p.seq_q)};
+    auto const m = modes(p.kv_heads, p.batch);
+    for (int g = 0; g < groups; ++g) {
+      auto const* q = static_cast<const Element*>(p.q.ptr) + int64_t(g) * p.q.head;
+      auto* o = static_cast<Element*>(p.o) + int64_t(g) * p.o_head;
+      key.q = q;
+      key.o = o;
       typename Kernel::Arguments args{
-          {p.batch, p.kv_heads, p.seq_q, p.seq_kv, p.head_dim},
-          {q, dQ, static_cast<const Element*>(p.k.ptr), dK, static_cast<const Element*>(p.v.ptr),
-           dV},
-          {o, dO, lse, dLSE},
+          {cute::get<0>(m), cute::get<1>(m), p.seq_q, p.seq_kv, p.head_dim},
+          {q, dQ, static_cast<const Element*>(p.k.ptr), dK,
+           static_cast<const Element*>(p.v.ptr), dV},
+          {o, dO, p.lse, dLSE},
           hw};
-      typename Kernel::Params fresh = Kernel::to_underlying_arguments(args, nullptr);
-      fresh.mainloop.scale_softmax = p.scale;
-      fresh.mainloop.scale_softmax_log2 = scale_log2;
-      params = cache.insert(key, fresh);
+      st = launch_one<Kernel>(*cached_params(cache, key, args, p.scale), stream, cuda_error);
+      if (st != Status::kOk) return st;
     }
-    dim3 const grid = Kernel::get_grid_shape(*params);
-    dim3 const block = Kernel::get_block_shape();
-    cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(*params);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      if (cuda_error != nullptr) *cuda_error = err;
-      return Status::kLaunch;
-    }
+    return Status::kOk;
   }
-  return Status::kOk;
 }
 
 }  // namespace hopper

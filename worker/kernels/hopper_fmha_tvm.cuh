@@ -160,7 +160,7 @@ void run_stacked(const StackedSpec& s, DLTensor* const* ops, DLTensor* out) {
   p.scale = s.scale;
   p.device_id = dev;
 
-  int64_t const lse_nbytes = lse_bytes(p.batch, p.kv_heads, p.seq_q);
+  int64_t const lse_nbytes = lse_bytes(p.batch, p.q_heads, p.seq_q);
   void* lse = TVMBackendAllocWorkspace(kDLCUDA, dev, uint64_t(lse_nbytes), 2, 32);
   if (lse == nullptr) {
     TVM_FFI_THROW(RuntimeError) << "Hopper FMHA: cannot allocate " << lse_nbytes
