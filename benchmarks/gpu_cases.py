@@ -139,6 +139,19 @@ CASES: list[Case] = [
     Case("b8_s2048_n16_h128_fp16", "stacked", 8, 2048, 16, 128, 128),
     # GQA in the stacked layout [B, S, (Nq + 2 Nkv) H]: Hopper kernel only
     Case("split_fp16_gqa_q32_kv8", "stacked", 2, 256, 32, 128, 128, {"n_kv": 8}),
+    Case(
+        "split_fp16_gqa_q16_kv4_causal_h64",
+        "stacked",
+        4,
+        384,
+        16,
+        64,
+        64,
+        {"n_kv": 4, "causal": "TopLeft"},
+    ),
+    Case(
+        "split_bf16_mqa_q16_kv1", "stacked", 2, 200, 16, 128, 128, {"n_kv": 1, "dtype": "bfloat16"}
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -151,6 +164,8 @@ HOPPER_CASES = (
     "split_fp16_epilogue",
     "plain_fp16_causal_bottomright",
     "split_fp16_gqa_q32_kv8",
+    "split_fp16_gqa_q16_kv4_causal_h64",
+    "split_bf16_mqa_q16_kv1",
 )
 
 
@@ -378,7 +393,7 @@ def main(argv: list[str]) -> int:
         if kernel == "auto" and not names:
             names = list(HOPPER_CASES)
         if kernel == "sm80" and not names:
-            names = [c.name for c in CASES if c.name not in ("split_fp16_gqa_q32_kv8",)]
+            names = [c.name for c in CASES if "gqa" not in c.name and "mqa" not in c.name]
         build(out, names or None, kernel=kernel)
         return 0
     results = check(out, names)

@@ -56,6 +56,12 @@ class Slot:
     head_dim: int
     any_seq: bool  # also checked at ragged sequence lengths (77, 203, 1, 999)
     obj: str
+    #: extra nvcc flags of this object (an experiment; the method name shows them)
+    flags: tuple[str, ...] = ()
+
+    @property
+    def method(self) -> str:
+        return f"hopper:{self.variant}" + "".join(f"+{f.lstrip('-')}" for f in self.flags)
 
 
 _HEADS_128 = [(16, 16, 128), (32, 32, 128), (32, 8, 128), (16, 1, 128), (16, 16, 96)]
@@ -66,7 +72,7 @@ _HEADS_256 = [(8, 8, 256), (8, 2, 256)]
 
 def catalog() -> list[Slot]:
     """Every object (dtype, variant, tile, causal) and the specs compiled into it."""
-    objs: list[tuple[str, str, str, list[tuple[str, int, int, int, bool]]]] = []
+    objs: list[tuple[str, str, str, list[tuple[str, int, int, int, bool]], tuple[str, ...]]] = []
 
     def add(
         dtype: str,
@@ -75,11 +81,12 @@ def catalog() -> list[Slot]:
         stacked: list[tuple[int, int, int]],
         split: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]] = (),
         any_seq: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]] = (),
+        flags: tuple[str, ...] = (),
     ) -> None:
         rows = [("stacked", *h, False) for h in stacked]
         rows += [("split", *h, False) for h in split]
         rows += [("stacked", *h, True) for h in any_seq]
-        objs.append((dtype, variant, causal, rows))
+        objs.append((dtype, variant, causal, rows, flags))
 
     f16, b16 = "float16", "bfloat16"
     h128 = (16, 16, 128)
@@ -102,6 +109,9 @@ def catalog() -> list[Slot]:
     add(f16, "coop3_192x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "pingpong_128x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "tma_64x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
+    add(f16, "pingpongB_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)])
+    add(f16, "pingpongB_128x128", "TopLeft", [(32, 8, 128)])
+    add(f16, "tmaB_64x128", "none@64", [(12, 12, 64)])
     add(f16, "pingpong3_192x128", "TopLeft@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
     add(f16, "coop3_192x128", "TopLeft@64", _HEADS_64)
     add(f16, "pingpong_128x128", "TopLeft@64", _HEADS_64)
@@ -120,15 +130,23 @@ def catalog() -> list[Slot]:
     add(b16, "tma_64x128", "none@64", [(12, 12, 64)])
     add(b16, "coop_128x64", "none@32", _HEADS_32)
     add(b16, "coop_128x64", "none@256", _HEADS_256)
+    # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
+    ftz = ("-ftz=true",)
+    add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
+    add(f16, "pingpong_128x128", "TopLeft", [h128], flags=ftz)
+    add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], flags=ftz)
+    add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=ftz)
+    add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=ftz)
 
     slots: list[Slot] = []
-    for dtype, variant, causal_tag, rows in objs:
+    for dtype, variant, causal_tag, rows, flags in objs:
         causal = causal_tag.split("@")[0]
         tag = causal_tag.replace("@", "_d")
-        obj = f"{'f16' if dtype == f16 else 'b16'}_{variant}_{tag}"
+        suffix = "".join("_" + re.sub(r"[^a-z0-9]", "", f) for f in flags)
+        obj = f"{'f16' if dtype == f16 else 'b16'}_{variant}_{tag}{suffix}"
         for kind, nq, nkv, hd, any_seq in rows:
             sym = f"hfa_{obj}_{kind}_{nq}_{nkv}_{hd}{'_anyseq' if any_seq else ''}"
-            slots.append(Slot(sym, dtype, variant, causal, kind, nq, nkv, hd, any_seq, obj))
+            slots.append(Slot(sym, dtype, variant, causal, kind, nq, nkv, hd, any_seq, obj, flags))
     return slots
 
 
@@ -241,7 +259,7 @@ def build(out: Path, jobs: int, only: str | None) -> int:
         flags: tuple[str, ...] = ()
         for i, slot in enumerate(members):
             ks = hopper.render(_spec_for(slot), slot.symbol, slot.variant)
-            flags = ks.flags
+            flags = (*ks.flags, *slot.flags)
             parts.append(_namespaced(ks.source, i, slot.symbol))
         src = out / f"{obj}.cu"
         text = "\n".join(parts)
@@ -323,6 +341,8 @@ BENCH_SHAPES = [
     ("b2_s8192_n16_h64", 2, 8192, 16, 16, 64, False, "float16"),
     ("b8_s2048_n16_h128_causal", 8, 2048, 16, 16, 128, True, "float16"),
     ("b32_s128_n12_h64_bert", 32, 128, 12, 12, 64, False, "float16"),
+    ("b4_s128_n12_h64", 4, 128, 12, 12, 64, False, "float16"),
+    ("b32_s256_n16_h64_gqa4", 32, 256, 16, 4, 64, False, "float16"),
     ("b8_s2048_q32_kv8_h128_gqa", 8, 2048, 32, 8, 128, False, "float16"),
     ("b8_s2048_q32_kv8_h128_gqa_causal", 8, 2048, 32, 8, 128, True, "float16"),
     ("b8_s2048_n16_h128_bf16", 8, 2048, 16, 16, 128, False, "bfloat16"),
@@ -556,7 +576,7 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
             and slot["nkv"] == nkv
             and slot["head_dim"] == h
         ]
-        names = [f"hopper:{slot['variant']}" for slot in slots]
+        names = [Slot(**slot).method for slot in slots]
         names += ["sdpa:default", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn"]
         first = index + 1
         index += len(names)
@@ -601,7 +621,7 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
             ) -> None:
                 fn(a[i], o[i])
 
-            methods[f"hopper:{slot['variant']}"] = (ours, ours_pre)
+            methods[Slot(**slot).method] = (ours, ours_pre)
 
         def sdpa(i: int, views: Any = views, causal: bool = causal, gqa: bool = gqa) -> Any:
             q, k, v = views(i)
