@@ -130,6 +130,13 @@ def catalog() -> list[Slot]:
     add(b16, "tma_64x128", "none@64", [(12, 12, 64)])
     add(b16, "coop_128x64", "none@32", _HEADS_32)
     add(b16, "coop_128x64", "none@256", _HEADS_256)
+    # our short-sequence kernel (at most 128 keys; numerics at <= 128 keys only)
+    add(f16, "short_64x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
+    add(f16, "short_64x128", "TopLeft@64", [(12, 12, 64), (16, 4, 64)])
+    add(f16, "short_64x128", "BottomRight@64", [], [(16, 4, 64)])
+    add(b16, "short_64x128", "none@64", [(12, 12, 64), (16, 4, 64)])
+    add(f16, "short_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], [], [(12, 12, 64)])
+    add(f16, "short_128x128", "TopLeft@64", [(16, 4, 64)])
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
@@ -424,6 +431,10 @@ def _make_inputs(
 
 def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int]]:
     """(B, Sq, Sk) per slot: tile-aligned, ragged, tiny, and Sq != Sk where the layout allows."""
+    if slot["variant"].startswith("short_"):  # at most 128 keys
+        if slot["kind"] == "split":
+            return [(2, 64, 128), (1, 37, 100), (3, 128, 128)]
+        return [(2, 128, 128), (3, 77, 77), (1, 1, 1), (5, 120, 120)]
     if slot["any_seq"]:
         return [(2, 77, 77), (1, 203, 203), (3, 1, 1), (1, 999, 999)]
     if slot["kind"] == "split":

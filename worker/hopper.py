@@ -46,6 +46,7 @@ _MAX_RANK = 6  # kMaxRank there
 _TMA = "cutlass::gemm::KernelTma"
 _COOP = "cutlass::gemm::KernelTmaWarpSpecializedCooperative"
 _PING = "cutlass::gemm::KernelTmaWarpSpecializedPingpong"
+_SHORT = "stackfuse::hopper::ShortSeq"  # ours: worker/kernels/hopper_short.cuh
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,14 @@ class Variant:
     block_kv: int
     #: C++ kernel options (constants of this table, never client text)
     options: tuple[str, ...] = ()
+    #: most keys the variant takes (checked again at run time); None: any
+    max_seq_kv: int | None = None
+
+    def takes(self, spec: AttentionSpec) -> bool:
+        """Whether ``spec``'s key length is known to fit (a dynamic one does not)."""
+        if self.max_seq_kv is None:
+            return True
+        return isinstance(spec.seq_kv, int) and spec.seq_kv <= self.max_seq_kv
 
     @property
     def kind(self) -> str:
@@ -66,6 +75,7 @@ class Variant:
             _TMA: "TMA, not warp-specialized",
             _COOP: "TMA + warp-specialized, cooperative",
             _PING: "TMA + warp-specialized, ping-pong, persistent",
+            _SHORT: "ours: all keys in shared memory, mma.sync, 3 CTAs per SM",
         }[self.schedule]
 
     @property
@@ -94,6 +104,9 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("tma_64x128", _TMA, 64, 128),
         Variant("tmaB_64x128", _TMA, 64, 128, _BATCH_MAJOR),
+        # at most 128 keys: the whole key range in shared memory, 64 query rows per CTA
+        Variant("short_64x128", _SHORT, 64, 128, max_seq_kv=128),
+        Variant("short_128x128", _SHORT, 128, 128, max_seq_kv=128),
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
@@ -111,7 +124,15 @@ VARIANTS: dict[str, Variant] = {
 #: (334-351 vs 414-453 TFLOP/s at B2 S8192 N16), so they are not offered there.
 _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
     32: ("tma_64x128", "coop_128x64"),
-    64: ("pingpong3_192x128", "coop3_192x128", "pingpong_128x128", "tma_64x128", "tmaB_64x128"),
+    64: (
+        "pingpong3_192x128",
+        "coop3_192x128",
+        "pingpong_128x128",
+        "tma_64x128",
+        "tmaB_64x128",
+        "short_64x128",
+        "short_128x128",
+    ),
     128: ("pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
     256: ("coop_128x64",),
 }
@@ -284,7 +305,7 @@ def variants(spec: AttentionSpec) -> list[str]:
     tile = tile_head_dim(spec.head_dim)
     if tile is None:
         return []
-    names = list(_BY_HEAD_DIM[tile])
+    names = [n for n in _BY_HEAD_DIM[tile] if VARIANTS[n].takes(spec)]
     best = pick(spec)
     if best in names:
         names.remove(best)
@@ -334,6 +355,8 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
             f"choose one of {', '.join(_BY_HEAD_DIM[tile])}"
         )
     v = VARIANTS[variant]
+    if v.max_seq_kv is not None and isinstance(spec.seq_kv, int) and spec.seq_kv > v.max_seq_kv:
+        raise ValueError(f"variant {variant} takes at most {v.max_seq_kv} keys")
     shapes = _operand_shapes(spec)
     n = len(shapes)
     ranks = [len(sh) if sh is not None else -1 for sh in shapes]

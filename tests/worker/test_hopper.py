@@ -135,6 +135,20 @@ def test_selection_covers_every_shape_class() -> None:
         assert pick in hopper._BY_HEAD_DIM[key[0]]
 
 
+def test_short_sequence_variant_only_where_every_key_fits() -> None:
+    # our kernel holds at most 128 keys in shared memory: offered only for a static Sk <= 128
+    assert "short_64x128" in hopper.variants(stacked(batch=32, seq=128, nq=12, nkv=12, h=64))
+    assert "short_128x128" in hopper.variants(stacked(batch=2, seq=77, h=64))
+    assert "short_64x128" not in hopper.variants(stacked(h=64))  # 2048 keys
+    assert "short_64x128" not in hopper.variants(stacked(seq=DYNAMIC, h=64))
+    assert "short_64x128" not in hopper.variants(stacked(seq=128, h=128))
+    with pytest.raises(ValueError, match="at most 128 keys"):
+        hopper.render(stacked(h=64), "s", "short_64x128")
+    src = hopper.render(stacked(seq=128, h=64), "s", "short_64x128").source
+    assert "stackfuse::hopper::ShortSeq" in src
+    assert hopper.VARIANTS["short_64x128"].kind.startswith("ours")
+
+
 def test_shape_classes_follow_the_measurements() -> None:
     # one wave or less of 128-row tiles: 64-row tiles (B4 S128 N12 H64 measured 1.33x faster)
     tiny = stacked(batch=4, seq=128, nq=12, nkv=12, h=64)
@@ -288,10 +302,14 @@ def test_render_rejects_unknown_variant_and_unsupported_spec() -> None:
 # --- nvcc -------------------------------------------------------------------------------------
 @pytest.mark.nvcc
 @pytest.mark.slow
-def test_nvcc_compiles_one_config_and_exports_the_symbol(tmp_path: Path) -> None:
-    """One forward configuration for sm_90a, through the service's cached nvcc when present."""
-    spec = stacked(batch=DYNAMIC, seq=DYNAMIC)
-    ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", "coop_128x128")
+@pytest.mark.parametrize(("variant", "h"), [("coop_128x128", 128), ("short_64x128", 64)])
+def test_nvcc_compiles_one_config_and_exports_the_symbol(
+    tmp_path: Path, variant: str, h: int
+) -> None:
+    """One forward configuration for sm_90a, through the service's cached nvcc when present:
+    a CUTLASS one and our short-sequence kernel."""
+    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h)
+    ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", variant)
     try:
         from worker.codegen import compile_object
     except ImportError:  # codegen without a compile step: call nvcc ourselves

@@ -38,6 +38,8 @@
 #include "collective/fmha_fusion.hpp"
 #include "kernel/fmha_kernel_builder.hpp"
 
+#include "hopper_short.cuh"
+
 namespace stackfuse {
 namespace hopper {
 
@@ -275,6 +277,9 @@ struct GroupedMainloop : Base {
   }
 };
 
+// Schedule tag of our short-sequence kernel (at most 128 keys, head dim <= 64)
+struct ShortSeq {};
+
 namespace detail {
 
 // (row, 1, (mode 0, mode 1)): the example's strides; the non-warp-specialized kernel's only ones
@@ -343,6 +348,13 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
       Mainloop, Epilogue, Scheduler, Options..., Persistent, QSeparately>;
 };
 
+// Our short-sequence kernel (hopper_short.cuh) as a schedule: no CUTLASS kernel type.
+template <class Element, class TileShape, class Fusion, bool kCausal, class... Options>
+struct Compose<Element, TileShape, Fusion, ShortSeq, kCausal, Options...> {
+  static constexpr bool kGrouped = true;
+  using Kernel = void;
+};
+
 }  // namespace detail
 
 // One forward configuration: element type, tile (BlockQ x BlockKV x HeadDim), schedule, mask.
@@ -356,6 +368,9 @@ struct Config {
   using Composed = detail::Compose<Element_, TileShape, StackfuseMask<kMode>, Schedule,
                                    kMode != CausalMode::kNone, Options...>;
   using Kernel = typename Composed::Kernel;
+  using ScheduleTag = Schedule;
+  static constexpr int kRowsPerCta = kBlockQ;
+  static constexpr CausalMode kCausalMode = kMode;
   // one launch for a whole GQA group (else one launch per query head of a group)
   static constexpr bool kGrouped = Composed::kGrouped;
   // heads in the problem shape's mode 0 (walked before the batch), else the example's order
@@ -386,6 +401,8 @@ inline int64_t lse_bytes(int batch, int q_heads, int seq_q) {
   return int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float));
 }
 
+constexpr double kLog2e = 1.4426950408889634;  // the kernels take the softmax scale in base 2
+
 inline bool fits_int(int64_t x) { return x >= 0 && x <= INT32_MAX; }
 
 // Why a failure happened, for the caller's error message.
@@ -397,6 +414,8 @@ enum class Status : int {
   kSmemAttribute = 4,
   kLaunch = 5,
   kDevice = 6,
+  kTooManyKeys = 7,
+  kGridOverflow = 8,
 };
 
 inline const char* status_text(Status s) {
@@ -409,6 +428,9 @@ inline const char* status_text(Status s) {
     case Status::kSmemAttribute: return "cudaFuncSetAttribute (shared memory) failed";
     case Status::kLaunch: return "kernel launch failed";
     case Status::kDevice: return "cannot query the CUDA device";
+    case Status::kTooManyKeys:
+      return "more than 128 keys for the short-sequence kernel (compiled for at most 128)";
+    case Status::kGridOverflow: return "more than 65535 heads or batch entries in one launch";
   }
   return "unknown";
 }
@@ -497,10 +519,18 @@ typename Kernel::Params const* cached_params(ParamsCache<Kernel>& cache, ParamsK
     // tile; checked on an H200), and head_dim <= tile, % 8 is checked when the code is made
     typename Kernel::Params fresh = Kernel::to_underlying_arguments(args, nullptr);
     fresh.mainloop.scale_softmax = scale;
-    fresh.mainloop.scale_softmax_log2 = float(double(scale) * 1.4426950408889634);
+    fresh.mainloop.scale_softmax_log2 = float(double(scale) * kLog2e);
     params = cache.insert(key, fresh);
   }
   return params;
+}
+
+// Right after a launch: its error, if any, as our status (and the CUDA error for the message).
+inline Status after_launch(cudaError_t* cuda_error) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return Status::kOk;
+  if (cuda_error != nullptr) *cuda_error = err;
+  return Status::kLaunch;
 }
 
 template <class Kernel>
@@ -509,16 +539,56 @@ Status launch_one(typename Kernel::Params const& params, cudaStream_t stream,
   dim3 const grid = Kernel::get_grid_shape(params);
   dim3 const block = Kernel::get_block_shape();
   cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(params);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    if (cuda_error != nullptr) *cuda_error = err;
-    return Status::kLaunch;
+  return after_launch(cuda_error);
+}
+
+// The short-sequence kernel: one launch, GQA by head index (h / G), bounds read at run time.
+template <class Cfg>
+Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) {
+  using T = std::conditional_t<std::is_same_v<typename Cfg::Element, cutlass::bfloat16_t>,
+                               __nv_bfloat16, __half>;
+  namespace ss = short_seq;
+  if (p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0) return Status::kBadHeads;
+  if (p.seq_kv > ss::kMaxKeys) return Status::kTooManyKeys;
+  if (p.head_dim > ss::kHeadDim || p.head_dim % 8 != 0) return Status::kMisaligned;
+  int64_t const strides[] = {p.q.row, p.q.batch, p.q.head, p.k.row, p.k.batch, p.k.head,
+                             p.v.row, p.v.batch, p.v.head, p.o_row, p.o_batch, p.o_head};
+  for (int64_t s : strides) {
+    if ((s * int64_t(sizeof(T))) % 16 != 0) return Status::kMisaligned;  // cp.async 16 bytes
   }
-  return Status::kOk;
+  if (!aligned16(p.q.ptr) || !aligned16(p.k.ptr) || !aligned16(p.v.ptr) || !aligned16(p.o)) {
+    return Status::kMisaligned;
+  }
+  if (p.q_heads > 65535 || p.batch > 65535) return Status::kGridOverflow;
+  if (p.batch == 0 || p.seq_q == 0) return Status::kOk;
+  ss::Params sp{p.q.ptr,   p.k.ptr,    p.v.ptr,    p.o,        p.q.row,   p.q.batch,
+                p.q.head,  p.k.row,    p.k.batch,  p.k.head,   p.v.row,   p.v.batch,
+                p.v.head,  p.o_row,    p.o_batch,  p.o_head,   p.seq_q,   p.seq_kv,
+                p.head_dim, p.q_heads / p.kv_heads, float(double(p.scale) * kLog2e),
+                Cfg::kCausalMode == CausalMode::kBottomRight ? p.seq_kv - p.seq_q : 0};
+  constexpr int kWarps = Cfg::kRowsPerCta / 16;
+  static_assert(kWarps == 4 || kWarps == 8, "64 or 128 query rows per CTA");
+  dim3 const grid((p.seq_q + 16 * kWarps - 1) / (16 * kWarps), p.q_heads, p.batch);
+  constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
+  ss::kernel<T, kCausal, kWarps>
+      <<<grid, 32 * kWarps, ss::smem_bytes<kWarps>(), stream>>>(sp);
+  return after_launch(cuda_error);
 }
 
 template <class Cfg>
+Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error);
+
+template <class Cfg>
 Status launch(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error = nullptr) {
+  if constexpr (std::is_same_v<typename Cfg::ScheduleTag, ShortSeq>) {
+    return launch_short<Cfg>(p, stream, cuda_error);
+  } else {
+    return launch_cutlass<Cfg>(p, stream, cuda_error);
+  }
+}
+
+template <class Cfg>
+Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) {
   using Kernel = typename Cfg::Kernel;
   using Element = typename Cfg::Element;
   constexpr int64_t kElem = sizeof(Element);
