@@ -566,6 +566,24 @@ def _latency_us(torch: Any, call: Any, reps: int, nbuf: int) -> tuple[float, flo
     return statistics.median(lat), issue
 
 
+def _bench_slots(
+    manifest: list[dict[str, Any]], nq: int, nkv: int, h: int, causal: bool, dtype: str
+) -> list[dict[str, Any]]:
+    """The stacked, fixed-layout symbols timed at one benchmark shape."""
+    want = "TopLeft" if causal else "none"
+    return [
+        slot
+        for slot in manifest
+        if slot["kind"] == "stacked"
+        and not slot["any_seq"]
+        and slot["dtype"] == dtype
+        and slot["causal"] == want
+        and slot["nq"] == nq
+        and slot["nkv"] == nkv
+        and slot["head_dim"] == h
+    ]
+
+
 def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], start: int) -> Any:
     """Yields one record per (shape, method), from item ``start`` on."""
     import torch.nn.functional as F
@@ -576,17 +594,7 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
     index = -1
     for name, b, s, nq, nkv, h, causal, dtype in BENCH_SHAPES:
         want_causal = "TopLeft" if causal else "none"
-        slots = [
-            slot
-            for slot in manifest
-            if slot["kind"] == "stacked"
-            and not slot["any_seq"]
-            and slot["dtype"] == dtype
-            and slot["causal"] == want_causal
-            and slot["nq"] == nq
-            and slot["nkv"] == nkv
-            and slot["head_dim"] == h
-        ]
+        slots = _bench_slots(manifest, nq, nkv, h, causal, dtype)
         names = [Slot(**slot).method for slot in slots]
         names += ["sdpa:default", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn"]
         first = index + 1
@@ -945,18 +953,7 @@ def run(directory: Path, out: Path, budget_s: float) -> int:
     n_num = len(numerics_items(manifest))
     n_bench = 0
     for _name, _b, _s, nq, nkv, h, causal, dtype in BENCH_SHAPES:
-        want = "TopLeft" if causal else "none"
-        n_bench += 4 + sum(
-            1
-            for s in manifest
-            if s["kind"] == "stacked"
-            and not s["any_seq"]
-            and s["dtype"] == dtype
-            and s["causal"] == want
-            and s["nq"] == nq
-            and s["nkv"] == nkv
-            and s["head_dim"] == h
-        )
+        n_bench += 4 + len(_bench_slots(manifest, nq, nkv, h, causal, dtype))  # + 4 SDPA ways
     t0 = time.monotonic()
     _supervise(directory, out, "numerics", n_num, 45.0, deadline - 120)
     num_s = time.monotonic() - t0
