@@ -2,13 +2,14 @@
 # One device call for issue #6's proof (see benchmarks/results/hopper_kernel.md for how it is
 # built): kernel-level numerics + timings, the pipeline cases on the Hopper kernel, and the
 # pipeline-level benchmark. Everything lands in $OUT/run.tgz (the tool returns at most 8 files).
-# Carry: .gpu/site .gpu/hopper_run3/libhopper_test.so .gpu/hopper_run3/manifest.json
-#        .gpu/cases_hopper .gpu/bench .gpu/models (a missing directory's step is skipped)
+# Carry: .gpu/site $KERNEL_DIR/libhopper_test.so $KERNEL_DIR/manifest.json (KERNEL_DIR defaults
+#        to .gpu/hopper_run3) .gpu/cases_hopper .gpu/bench .gpu/models (a missing directory's
+#        step is skipped). HOPPER_BENCH_ROUNDS sets the kernel benchmark's rounds (default 5).
 set -uo pipefail
 export PYTHONPATH=$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1
 res=/tmp/results && mkdir -p "$res"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-python3 benchmarks/hopper_kernel.py run --dir .gpu/hopper_run3 --out "$res/kernel" \
+python3 benchmarks/hopper_kernel.py run --dir "${KERNEL_DIR:-.gpu/hopper_run3}" --out "$res/kernel" \
   --budget "${KERNEL_BUDGET:-300}" 2>&1 | tee "$res/kernel.log" | tail -40
 if [ -d .gpu/cases_hopper ]; then
   python3 -m benchmarks.gpu_cases check .gpu/cases_hopper 2>&1 | tee "$res/cases.log" | tail -3

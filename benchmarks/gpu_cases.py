@@ -152,6 +152,8 @@ CASES: list[Case] = [
     Case(
         "split_bf16_mqa_q16_kv1", "stacked", 2, 200, 16, 128, 128, {"n_kv": 1, "dtype": "bfloat16"}
     ),
+    # a tiny launch with every key in one tile: the selector's short-sequence kernel, GQA 16/4
+    Case("split_fp16_gqa_q16_kv4_tiny_s100_h64", "stacked", 2, 100, 16, 64, 64, {"n_kv": 4}),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -166,6 +168,7 @@ HOPPER_CASES = (
     "split_fp16_gqa_q32_kv8",
     "split_fp16_gqa_q16_kv4_causal_h64",
     "split_bf16_mqa_q16_kv1",
+    "split_fp16_gqa_q16_kv4_tiny_s100_h64",
 )
 
 

@@ -58,6 +58,8 @@ class Slot:
     obj: str
     #: extra nvcc flags of this object (an experiment; the method name shows them)
     flags: tuple[str, ...] = ()
+    #: most keys the variant takes (worker.hopper.Variant.max_seq_kv); None: any
+    max_seq_kv: int | None = None
 
     @property
     def method(self) -> str:
@@ -144,6 +146,10 @@ def catalog() -> list[Slot]:
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], flags=ftz)
     add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=ftz)
     add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=ftz)
+    # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
+    add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
+
+    from worker.hopper import VARIANTS
 
     slots: list[Slot] = []
     for dtype, variant, causal_tag, rows, flags in objs:
@@ -153,7 +159,22 @@ def catalog() -> list[Slot]:
         obj = f"{'f16' if dtype == f16 else 'b16'}_{variant}_{tag}{suffix}"
         for kind, nq, nkv, hd, any_seq in rows:
             sym = f"hfa_{obj}_{kind}_{nq}_{nkv}_{hd}{'_anyseq' if any_seq else ''}"
-            slots.append(Slot(sym, dtype, variant, causal, kind, nq, nkv, hd, any_seq, obj, flags))
+            slots.append(
+                Slot(
+                    sym,
+                    dtype,
+                    variant,
+                    causal,
+                    kind,
+                    nq,
+                    nkv,
+                    hd,
+                    any_seq,
+                    obj,
+                    flags,
+                    VARIANTS[variant].max_seq_kv,
+                )
+            )
     return slots
 
 
@@ -198,8 +219,8 @@ def _spec_for(slot: Slot) -> Any:
 def _namespaced(source: str, idx: int, symbol: str) -> str:
     """Several rendered units in one file (one kernel instantiation, several specs): each in a
     namespace of its own inside the unnamed one; the exported function is unchanged."""
-    body = source.replace("namespace {", f"namespace {{\nnamespace slot{idx} {{", 1)
-    body = body.replace("}  // namespace", "}  // namespace slot\n}  // namespace", 1)
+    body = source.replace("\nnamespace {\n", f"\nnamespace {{\nnamespace slot{idx} {{\n", 1)
+    body = body.replace("\n}  // namespace\n", "\n}  // namespace slot\n}  // namespace\n", 1)
     return body.replace(
         f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);",
         f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, slot{idx}::impl);",
@@ -261,38 +282,40 @@ def build(out: Path, jobs: int, only: str | None) -> int:
     # an object is up to date only if newer than its source and our headers
     newest_header = max(p.stat().st_mtime for p in hopper.KERNELS_DIR.glob("hopper*.cuh"))
     tasks = []
+    objects: list[str] = []
+
+    def add_task(name: str, text: str, flags: tuple[str, ...]) -> None:
+        """Compile ``text`` as ``name``.o unless an object newer than it and our headers is
+        there (the source keeps its mtime when unchanged)."""
+        src, objf = out / f"{name}.cu", out / f"{name}.o"
+        if not src.exists() or src.read_text() != text:
+            src.write_text(text)
+        if objf.exists() and objf.stat().st_mtime > max(src.stat().st_mtime, newest_header):
+            return
+        tasks.append((name, _nvcc_command(flags, src, objf), out / f"{name}.log"))
+
     for obj, members in by_obj.items():
+        # one configuration (the CUTLASS kernel) per object, plus the glue of each of its specs
         parts: list[str] = []
         flags: tuple[str, ...] = ()
+        configs: set[str] = set()
         for i, slot in enumerate(members):
             ks = hopper.render(_spec_for(slot), slot.symbol, slot.variant)
             flags = (*ks.flags, *slot.flags)
             parts.append(_namespaced(ks.source, i, slot.symbol))
-        src = out / f"{obj}.cu"
-        text = "\n".join(parts)
-        if not src.exists() or src.read_text() != text:  # keep mtime: skip up-to-date objects
-            src.write_text(text)
-        objf = out / f"{obj}.o"
-        if objf.exists() and objf.stat().st_mtime > max(src.stat().st_mtime, newest_header):
-            continue
-        tasks.append((obj, _nvcc_command(flags, src, objf), out / f"{obj}.log"))
+            (cfg,) = ks.needs
+            if cfg.source not in configs:
+                configs.add(cfg.source)
+                add_task(f"{obj}.cfg", cfg.source, (*cfg.flags, *slot.flags))
+        assert len(configs) == 1, f"{obj}: one configuration per object"
+        add_task(obj, "\n".join(parts), flags)
+        objects += [f"{obj}.cfg.o", f"{obj}.o"]
 
-    # the as-rendered unit (one spec, one symbol): the compile the service pays for
+    # the as-rendered units (one spec, one symbol): the compiles the service pays for, cold
     single = catalog()[0]
     ks = hopper.render(_spec_for(single), "hopper_single", single.variant)
-    single_src, single_obj = out / "single.cu", out / "single.o"
-    if not single_src.exists() or single_src.read_text() != ks.source:
-        single_src.write_text(ks.source)
-    if not single_obj.exists() or single_obj.stat().st_mtime < max(
-        single_src.stat().st_mtime, newest_header
-    ):
-        tasks.append(
-            (
-                "single",
-                _nvcc_command(ks.flags, out / "single.cu", out / "single.o"),
-                out / "single.log",
-            )
-        )
+    add_task("single.cfg", ks.needs[0].source, ks.needs[0].flags)
+    add_task("single", ks.source, ks.flags)
 
     times_path = out / "compile.json"
     times: dict[str, Any] = json.loads(times_path.read_text()) if times_path.exists() else {}
@@ -316,7 +339,7 @@ def build(out: Path, jobs: int, only: str | None) -> int:
     from worker.toolchain import find_toolchain
 
     chain = find_toolchain()
-    objs = [str(out / f"{o}.o") for o in by_obj]
+    objs = [str(out / o) for o in objects]
     subprocess.run(
         [
             "g++",
@@ -566,10 +589,40 @@ def _latency_us(torch: Any, call: Any, reps: int, nbuf: int) -> tuple[float, flo
     return statistics.median(lat), issue
 
 
+#: timing rounds per shape (each method once per round; its median is reported)
+ROUNDS = int(os.environ.get("HOPPER_BENCH_ROUNDS", "5"))
+
+
+def _warm_clocks(torch: Any, calls: list[Any], nbuf: int, seconds: float = 0.3) -> None:
+    """Keep the GPU busy for ``seconds`` before the first timing, so that it starts at its
+    boost clock (idle, the H200 sits at 345 MHz) and not during the first method's rounds.
+    A method that cannot run this shape (an SDPA backend without GQA) is left out here; its
+    own measurement records the error."""
+    ok = []
+    for call in calls:
+        try:
+            call(0)
+            ok.append(call)
+        except Exception:  # reported by the timing loop
+            pass
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    i = 0
+    while ok and time.perf_counter() - t0 < seconds:
+        ok[i % len(ok)](i % nbuf)
+        i += 1
+        if i % 8 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+
+
 def _bench_slots(
-    manifest: list[dict[str, Any]], nq: int, nkv: int, h: int, causal: bool, dtype: str
+    manifest: list[dict[str, Any]],
+    shape: tuple[str, int, int, int, int, int, bool, str],
 ) -> list[dict[str, Any]]:
-    """The stacked, fixed-layout symbols timed at one benchmark shape."""
+    """The stacked, fixed-layout symbols timed at one benchmark shape (a variant that takes
+    fewer keys than the shape has is left out)."""
+    _name, _b, s, nq, nkv, h, causal, dtype = shape
     want = "TopLeft" if causal else "none"
     return [
         slot
@@ -581,6 +634,7 @@ def _bench_slots(
         and slot["nq"] == nq
         and slot["nkv"] == nkv
         and slot["head_dim"] == h
+        and (slot.get("max_seq_kv") or s) >= s
     ]
 
 
@@ -592,9 +646,12 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
     gen = torch.Generator(device="cuda")
     gen.manual_seed(99)
     index = -1
-    for name, b, s, nq, nkv, h, causal, dtype in BENCH_SHAPES:
+    for shape in BENCH_SHAPES:
+        name, b, s, nq, nkv, h, causal, dtype = shape
         want_causal = "TopLeft" if causal else "none"
-        slots = _bench_slots(manifest, nq, nkv, h, causal, dtype)
+        slots = _bench_slots(manifest, shape)
+        if not slots:  # none of ours built for this shape: nothing to compare
+            continue
         names = [Slot(**slot).method for slot in slots]
         names += ["sdpa:default", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn"]
         first = index + 1
@@ -666,21 +723,28 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
         todo = [m for off, m in enumerate(names) if first + off >= start]
         timings: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
         with tvm_ffi.use_torch_stream():
-            # two passes, the second in reverse order: clock drift and warm-up favour no method;
-            # each method keeps its better pass
-            for mname in todo + todo[::-1]:
-                call, _ = methods[mname]
-                t: dict[str, Any] = {}
-                try:
-                    for i in range(3):
-                        call(i % nbuf)
-                    torch.cuda.synchronize()
-                    t["ev"] = _events_median(torch, call, reps, nbuf)
-                    t["prof"], t["kernels"] = _profiler_kernel_us(torch, call, min(reps, 20), nbuf)
-                    t["lat"], t["issue"] = _latency_us(torch, call, min(reps, 100), nbuf)
-                except Exception as exc:
-                    t["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                timings[mname].append(t)
+            _warm_clocks(torch, [methods[m][0] for m in todo], nbuf)
+            # ROUNDS rounds, each timing every method once, in an order rotated by one per round
+            # and reversed every other round: clock drift and warm-up favour no method. A
+            # method's figure is its median over the rounds (a noisy round moves it little).
+            for rnd in range(ROUNDS):
+                order = todo[rnd % len(todo) :] + todo[: rnd % len(todo)]
+                for mname in order if rnd % 2 == 0 else order[::-1]:
+                    call, _ = methods[mname]
+                    t: dict[str, Any] = {}
+                    try:
+                        for i in range(3):
+                            call(i % nbuf)
+                        torch.cuda.synchronize()
+                        t["ev"] = _events_median(torch, call, reps, nbuf)
+                        t["prof"], t["kernels"] = _profiler_kernel_us(
+                            torch, call, min(reps, 20), nbuf
+                        )
+                        if rnd in (0, ROUNDS - 1):  # call latency: two rounds are enough
+                            t["lat"], t["issue"] = _latency_us(torch, call, min(reps, 100), nbuf)
+                    except Exception as exc:
+                        t["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    timings[mname].append(t)
             for mname in todo:
                 call, call_pre = methods[mname]
                 rec: dict[str, Any] = {
@@ -703,15 +767,17 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
                     rec["error"] = passes[0].get("error", "no measurement")
                     yield rec
                     continue
-                ev = min(t["ev"] for t in good)
-                prof_us = min(t["prof"] for t in good)
+                ev = statistics.median(t["ev"] for t in good)
+                prof_us = statistics.median(t["prof"] for t in good)
+                lat = [t for t in good if "lat" in t] or [{"lat": None, "issue": None}]
                 rec.update(
                     kernel_us_events=ev,
                     kernel_us_profiler=prof_us,
+                    kernel_us_profiler_min=min(t["prof"] for t in good),
                     tflops_events=flops / ev / 1e6,
                     tflops_profiler=flops / prof_us / 1e6 if prof_us > 0 else None,
-                    latency_us=min(t["lat"] for t in good),
-                    issue_us=min(t["issue"] for t in good),
+                    latency_us=min((t["lat"] for t in lat if t["lat"] is not None), default=None),
+                    issue_us=min((t["issue"] for t in lat if t["issue"] is not None), default=None),
                     kernels=good[0]["kernels"],
                     passes_us=[round(t["prof"], 2) for t in good],
                 )
@@ -814,18 +880,24 @@ def _markdown(
         "",
         "## Speed: GPU kernel time (profiler) and call latency",
         "",
+        f"Kernel time: the median over {meta.get('rounds', '?')} rounds (each round times "
+        "every method of a shape once, the order rotated and reversed between rounds), each "
+        "round the mean of 20 calls from the profiler; the rounds are listed. Latency: the "
+        "better of two rounds' median call + synchronize.",
+        "",
         "| shape | method | kernel us (profiler) | TFLOP/s | kernel us (events) | "
-        "latency us | issue us |",
-        "|---|---|---|---|---|---|---|",
+        "latency us | issue us | rounds us |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['method']} | error: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['shape']} | {r['method']} | error: {r['error'][:80]} | | | | | |")
             continue
         lines.append(
             f"| {r['shape']} | {r['method']} | {r['kernel_us_profiler']:.1f} | "
             f"{r['tflops_profiler']:.0f} | {r['kernel_us_events']:.1f} | "
-            f"{r['latency_us']:.1f} | {r['issue_us']:.1f} |"
+            f"{r['latency_us'] or 0:.1f} | {r['issue_us'] or 0:.1f} | "
+            f"{', '.join(f'{x:.1f}' for x in r.get('passes_us', []))} |"
         )
     lines += [
         "",
@@ -952,13 +1024,14 @@ def run(directory: Path, out: Path, budget_s: float) -> int:
     manifest = json.loads((directory / "manifest.json").read_text())
     n_num = len(numerics_items(manifest))
     n_bench = 0
-    for _name, _b, _s, nq, nkv, h, causal, dtype in BENCH_SHAPES:
-        n_bench += 4 + len(_bench_slots(manifest, nq, nkv, h, causal, dtype))  # + 4 SDPA ways
+    for shape in BENCH_SHAPES:
+        slots = _bench_slots(manifest, shape)
+        n_bench += 4 + len(slots) if slots else 0  # + 4 SDPA ways
     t0 = time.monotonic()
     _supervise(directory, out, "numerics", n_num, 45.0, deadline - 120)
     num_s = time.monotonic() - t0
     t0 = time.monotonic()
-    _supervise(directory, out, "bench", n_bench, 75.0, deadline)
+    _supervise(directory, out, "bench", n_bench, 150.0, deadline)
     bench_s = time.monotonic() - t0
 
     import torch
@@ -983,6 +1056,7 @@ def run(directory: Path, out: Path, budget_s: float) -> int:
         "command": " ".join(sys.argv),
         "gpu_state": gpu_state,
         "bench_seconds": round(bench_s, 1),
+        "rounds": ROUNDS,
         "numerics_seconds": round(num_s, 1),
     }
     num = sorted(_records(out / "numerics.jsonl"), key=lambda r: r["index"])

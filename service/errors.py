@@ -160,5 +160,3 @@ class InfrastructureError(StackfuseError):
 class ToolchainError(InfrastructureError):
     type = "toolchain-error"
     title = "Toolchain unavailable or failed"
-
-

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ from tvm import ir, relax  # noqa: E402
 
 #: symbol -> object path, consulted by our relax.ext.cutlass during one build
 _OBJECTS: dict[str, Path] = {}
+#: objects the kernels above call into (shared Hopper configurations), linked once each
+_NEEDS: list[Path] = []
 #: the arch TVM's CUDA kernels are compiled for during one build
 _ARCH: list[str] = []
 _SETTINGS: list[Settings] = []
@@ -153,6 +155,7 @@ def _linker(chain: Toolchain, settings: Settings) -> Callable[..., None]:
             "-o",
             output,
             *objects,
+            *(str(p) for p in _NEEDS),
             *cudart,
             "-lpthread",
             "-ldl",
@@ -172,7 +175,9 @@ def _linker(chain: Toolchain, settings: Settings) -> Callable[..., None]:
             raise CompileError(
                 f"linking the library failed (exit {result.returncode})",
                 excerpt=sandbox.excerpt(
-                    result.output, [Path(o) for o in objects], limit=settings.error_excerpt_chars
+                    result.output,
+                    [*(Path(o) for o in objects), *_NEEDS],
+                    limit=settings.error_excerpt_chars,
                 ),
             )
 
@@ -183,17 +188,21 @@ def build_library(
     mod: tvm.IRModule,
     objects: dict[str, Path],
     *,
+    needs: Sequence[Path] = (),
     arch: str,
     out_path: Path,
     settings: Settings | None = None,
     on_stage: Callable[[str], None] | None = None,
 ) -> Path:
-    """Compile ``mod`` (fused functions already named by kernel symbol) into ``out_path``."""
+    """Compile ``mod`` (fused functions already named by kernel symbol) into ``out_path``;
+    ``objects`` maps kernel symbols to their objects, ``needs`` lists the objects those call
+    into (each linked once, however many kernels share it)."""
     settings = settings or get_settings()
     chain = find_toolchain(settings)
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
     _OBJECTS.clear()
     _OBJECTS.update(objects)
+    _NEEDS[:] = list(dict.fromkeys(needs))
     _ARCH.append(arch)
     _SETTINGS.append(settings)
     try:
@@ -210,6 +219,7 @@ def build_library(
         _ARCH.pop()
         _SETTINGS.pop()
         _OBJECTS.clear()
+        _NEEDS.clear()
     return out_path
 
 

@@ -66,6 +66,9 @@ class KernelSource:
     flags: tuple[str, ...] = ()
     config: dict[str, int | bool | str] = field(default_factory=dict)
     workspace_bytes: int | str = 0
+    #: units this one calls into, compiled (and cached) apart and linked with it: the Hopper
+    #: glue of one site needs its configuration's CUTLASS kernel, which other sites share
+    needs: tuple[KernelSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,17 @@ class CompiledKernel:
     symbol: str
     object_path: Path
     cache_key: str
+    #: True when this object and every one it needs came from the cache
     cache_hit: bool
+    #: wall seconds for this object and the ones it needs
     seconds: float
+    #: the objects of ``KernelSource.needs`` (to link along), in order, without repeats
+    needs: tuple[Path, ...] = ()
+
+    @property
+    def objects(self) -> tuple[Path, ...]:
+        """Every object the link needs for this kernel: its own, then what it calls."""
+        return (self.object_path, *self.needs)
 
 
 def arch_number(arch: str) -> int:
@@ -375,20 +387,38 @@ def compile_object(
     settings: Settings | None = None,
     chain: Toolchain | None = None,
 ) -> CompiledKernel:
-    """The object file for ``ks``: from the cache, or compiled by nvcc and then cached."""
+    """The object file for ``ks`` and those of what it needs: each from the cache, or compiled
+    by nvcc and then cached."""
     settings = settings or get_settings()
     chain = chain or find_toolchain(settings)
+    started = time.monotonic()
+    needs = [compile_object(dep, settings=settings, chain=chain) for dep in ks.needs]
+    obj, key, hit = _compile_one(ks, settings, chain)
+    paths: list[Path] = []
+    for dep in needs:
+        paths.extend(p for p in dep.objects if p not in paths)
+    return CompiledKernel(
+        ks.symbol,
+        obj,
+        key,
+        hit and all(d.cache_hit for d in needs),
+        time.monotonic() - started,
+        tuple(paths),
+    )
+
+
+def _compile_one(ks: KernelSource, settings: Settings, chain: Toolchain) -> tuple[Path, str, bool]:
+    """(object path, cache key, cache hit) for ``ks`` alone."""
     key = cache_key(ks, chain)
     shard = settings.resolved_kernel_cache_dir() / "objects" / key[:2]
     shard.mkdir(parents=True, exist_ok=True)
     obj = shard / f"{key}.o"
-    started = time.monotonic()
     if obj.exists():
-        return CompiledKernel(ks.symbol, obj, key, True, time.monotonic() - started)
+        return obj, key, True
     with open(shard / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if obj.exists():  # another worker finished it while we waited
-            return CompiledKernel(ks.symbol, obj, key, True, time.monotonic() - started)
+            return obj, key, True
         src = shard / f"{key}.cu"
         tmp_src = shard / f"{key}.{os.getpid()}.cu.tmp"
         tmp_src.write_text(ks.source)
@@ -419,7 +449,7 @@ def compile_object(
             "config": ks.config,
         }
         (shard / f"{key}.json").write_text(json.dumps(meta, sort_keys=True))
-    return CompiledKernel(ks.symbol, obj, key, False, time.monotonic() - started)
+    return obj, key, False
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,13 +12,14 @@ The generated source holds numbers from the spec and the caller's symbol, nothin
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.attention import DYNAMIC, AttentionSpec, TensorAccess
+from worker.attention import DYNAMIC, AttentionSpec, TensorAccess, stacked_spec
 
 if TYPE_CHECKING:  # codegen imports this module; import it back lazily
     from worker.codegen import KernelSource
@@ -145,7 +146,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
 #: The SM80-class kernel never won a shape the Hopper kernel takes (B32 S128 N12 H64: ~30
 #: TFLOP/s against ~134), so no class maps to it; it stays the kernel for what supports()
 #: rejects and for other archs. "unmeasured": no benchmark shape of that class was run.
-SELECTION: dict[tuple[int, bool, str], str] = {
+SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (32, False, "large"): "tma_64x128",  # B8 S2048 N16: 225 / 225 vs coop_128x64 186 / 185
     (32, True, "large"): "coop_128x64",  # unmeasured; tma at d32 causal not checked on GPU
     (32, False, "small"): "tma_64x128",  # unmeasured
@@ -160,8 +161,10 @@ SELECTION: dict[tuple[int, bool, str], str] = {
         "small",
     ): "pingpong_128x128",  # BERT B32 S128 N12: 134 / 133; B32 S256 GQA 16/4: 263
     (64, True, "small"): "pingpong_128x128",  # unmeasured
-    # B4 S128 N12: 64-row tiles halve each CTA's serial chain: 49 vs pingpong_128x128 37 (run 3)
-    (64, False, "tiny"): "tma_64x128",
+    # B4 S128 N12: 64-row tiles halve each CTA's serial chain: 49 vs pingpong_128x128 37 (run 3);
+    # where every key fits, our short kernel ties or wins (4.12 vs 4.14 us in run 5, 4.13 vs
+    # 4.20 in run 7's medians) and compiles in a third of the time and a quarter of the memory
+    (64, False, "tiny"): ("short_64x128", "tma_64x128"),
     (64, True, "tiny"): "pingpong_128x128",  # unmeasured
     (128, False, "large"): "pingpong_128x128",  # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610
     (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 / 544 (serpentine)
@@ -177,9 +180,12 @@ SELECTION: dict[tuple[int, bool, str], str] = {
     (256, True, "tiny"): "coop_128x64",
 }
 
+#: A tuple names variants in order of preference: the first that takes the spec (its key
+#: length fits, see Variant.takes) is the pick.
+
 #: GQA/MQA (Nq > Nkv) classes where another variant wins (run 3, one launch per group):
 #: B8 S2048 Nq32 Nkv8 H128: coop_128x128 631 TFLOP/s vs pingpong_128x128 578.
-SELECTION_GROUPED: dict[tuple[int, bool, str], str] = {
+SELECTION_GROUPED: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (128, False, "large"): "coop_128x128",
 }
 
@@ -292,12 +298,18 @@ def shape_class(spec: AttentionSpec) -> tuple[int, bool, str]:
     return (tile, spec.causal != "none", size)
 
 
+def _preferences(choice: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if choice is None else (choice,) if isinstance(choice, str) else choice
+
+
 def pick(spec: AttentionSpec) -> str | None:
-    """The measured variant for ``spec``'s shape class (GQA classes may differ), or None."""
+    """The measured variant for ``spec``'s shape class (GQA classes may differ): the first of
+    the class's preferences that takes ``spec``, or None."""
     key = shape_class(spec)
+    choice: str | tuple[str, ...] | None = SELECTION.get(key)
     if spec.num_q_heads != spec.num_kv_heads and key in SELECTION_GROUPED:
-        return SELECTION_GROUPED[key]
-    return SELECTION.get(key)
+        choice = SELECTION_GROUPED[key]
+    return next((n for n in _preferences(choice) if VARIANTS[n].takes(spec)), None)
 
 
 def variants(spec: AttentionSpec) -> list[str]:
@@ -338,8 +350,80 @@ def include_dirs() -> list[Path]:
     return [KERNELS_DIR, chain.fmha_hopper_dir, *chain.cutlass_includes]
 
 
+def config_type(spec: AttentionSpec, variant: str) -> str:
+    """The C++ ``Config<...>`` of ``variant`` for ``spec``'s dtype, tile head dim and mask:
+    everything the CUTLASS instantiation depends on (the shape numbers are not part of it)."""
+    tile = tile_head_dim(spec.head_dim)
+    assert tile is not None
+    v = VARIANTS[variant]
+    return (
+        f"stackfuse::hopper::Config<{_CUTLASS_TYPE[spec.dtype]}, {v.block_q}, {v.block_kv}, "
+        f"{tile}, {v.schedule}, {_CAUSAL_MODE[spec.causal]}{''.join(', ' + o for o in v.options)}>"
+    )
+
+
+def render_config(spec: AttentionSpec, variant: str) -> KernelSource:
+    """The translation unit of one configuration: the CUTLASS kernel and its launcher, exported
+    as a ``LaunchFn`` (hopper_api.h) named by a digest of the configuration. Every site and
+    model with the same configuration shares this object; it is the expensive compile (~45 s,
+    ~4 GB on 2 cores), so it is keyed by the configuration alone."""
+    from worker.codegen import KernelSource
+
+    cfg = config_type(spec, variant)
+    symbol = "stackfuse_hcfg_" + hashlib.sha256(cfg.encode()).hexdigest()[:24]
+    source = f"""// Generated by stackfuse worker.hopper ({FAMILY} configuration). Type names only.
+#include "hopper_fmha.cuh"
+
+namespace stackfuse {{
+namespace hopper {{
+
+Status {symbol}(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) {{
+  return launch<{cfg}>(p, stream, cuda_error);
+}}
+
+}}  // namespace hopper
+}}  // namespace stackfuse
+"""
+    tile = tile_head_dim(spec.head_dim)
+    return KernelSource(
+        symbol=symbol,
+        source=source,
+        family=FAMILY,
+        flags=(GENCODE, *(f"-I{p}" for p in include_dirs())),
+        config={**VARIANTS[variant].config, "tile_head_dim": tile or 0, "type": cfg},
+    )
+
+
+def selected_configs(
+    dtypes: tuple[str, ...] = ("float16", "bfloat16"),
+) -> list[tuple[str, AttentionSpec]]:
+    """(variant, a spec of it) for every configuration the selection can pick, one per C++
+    configuration: what ``stackfuse prebuild`` compiles so that workers start warm."""
+    picks = sorted(
+        (key, variant)
+        for table in (SELECTION, SELECTION_GROUPED)
+        for key, choice in table.items()
+        for variant in _preferences(choice)
+    )
+    out: dict[str, tuple[str, AttentionSpec]] = {}
+    for (tile, causal, _size), variant in picks:
+        for dtype in dtypes:
+            for mode in ("TopLeft", "BottomRight") if causal else ("none",):
+                spec = stacked_spec(
+                    dtype=dtype,  # type: ignore[arg-type]
+                    nq=8,
+                    nkv=8,
+                    h=tile,
+                    causal=mode,
+                )
+                out.setdefault(config_type(spec, variant), (variant, spec))  # one per type
+    return list(out.values())
+
+
 def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
-    """One translation unit exporting ``symbol(op_0, ..., op_{n-1}, out)`` for ``spec``."""
+    """One translation unit exporting ``symbol(op_0, ..., op_{n-1}, out)`` for ``spec``: the
+    TVM-FFI glue with ``spec``'s numbers, calling the configuration that ``needs`` holds
+    (:func:`render_config`), which is compiled and linked with it."""
     from worker.codegen import KernelSource
 
     reason = supports(spec, "sm_90a")
@@ -357,6 +441,7 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
     v = VARIANTS[variant]
     if v.max_seq_kv is not None and isinstance(spec.seq_kv, int) and spec.seq_kv > v.max_seq_kv:
         raise ValueError(f"variant {variant} takes at most {v.max_seq_kv} keys")
+    library = render_config(spec, variant)
     shapes = _operand_shapes(spec)
     n = len(shapes)
     ranks = [len(sh) if sh is not None else -1 for sh in shapes]
@@ -384,11 +469,14 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
 
 #include "hopper_fmha_tvm.cuh"
 
-namespace {{
+namespace stackfuse {{
+namespace hopper {{
+// {library.config["type"]}, compiled apart (its object is linked with this one)
+Status {library.symbol}(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error);
+}}  // namespace hopper
+}}  // namespace stackfuse
 
-using Cfg = stackfuse::hopper::Config<
-    {_CUTLASS_TYPE[spec.dtype]}, {v.block_q}, {v.block_kv}, {tile}, {v.schedule},
-    {_CAUSAL_MODE[spec.causal]}{"".join(", " + o for o in v.options)}>;
+namespace {{
 
 const stackfuse::hopper::StackedSpec kSpec = {{
     /*num_operands=*/{n},
@@ -407,15 +495,19 @@ const stackfuse::hopper::StackedSpec kSpec = {{
 
 void impl({params}, DLTensor* out) {{
   DLTensor* ops[] = {{{op_list}}};
-  stackfuse::hopper::run_stacked<Cfg>(kSpec, ops, out);
+  stackfuse::hopper::run_stacked(&stackfuse::hopper::{library.symbol}, kSpec, ops, out);
 }}
 
 }}  // namespace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
 """
-    flags = (GENCODE, *(f"-I{p}" for p in include_dirs()))
-    config: dict[str, int | bool | str] = {**v.config, "tile_head_dim": tile}
+    # the report names the shared configuration object this site links
+    config: dict[str, int | bool | str] = {
+        **v.config,
+        "tile_head_dim": tile,
+        "configuration": library.symbol,
+    }
     workspace: int | str
     per_row = 4 * spec.num_q_heads  # the epilogue's log-sum-exp, one float per query row
     if isinstance(spec.batch, int) and isinstance(spec.seq_q, int):
@@ -426,7 +518,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
         symbol=symbol,
         source=source,
         family=FAMILY,
-        flags=flags,
+        flags=(GENCODE, f"-I{KERNELS_DIR}"),
         config=config,
         workspace_bytes=workspace,
+        needs=(library,),
     )

@@ -173,6 +173,7 @@ def compile_module(
             build.build_library(
                 mod,
                 {s: c.object_path for s, c in compiled.items()},
+                needs=[p for c in compiled.values() for p in c.needs],
                 arch=target.arch,
                 out_path=library,
                 settings=settings,

@@ -152,3 +152,27 @@ def test_help_lists_the_subcommands() -> None:
     )
     for cmd in ("api", "worker", "serve", "submit", "compile"):
         assert cmd in r.stdout
+
+
+def test_prebuild_lists_the_selected_configurations_and_refuses_bad_input(
+    service_env: dict[str, str],
+) -> None:
+    r = stackfuse("prebuild", "--list", "--dtype", "float16", env=service_env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) >= 10 and all(line.startswith("stackfuse_hcfg_") for line in lines)
+    assert all("cutlass::half_t" in line for line in lines)
+    assert any("KernelTmaWarpSpecializedPingpong" in line for line in lines)
+    one = stackfuse(
+        "prebuild",
+        "--list",
+        "--dtype",
+        "bfloat16",
+        "--only",
+        "Cooperative, stackfuse::hopper::CausalMode::kNone",
+        env=service_env,
+        timeout=120,
+    )
+    assert one.returncode == 0 and 1 <= len(one.stdout.strip().splitlines()) < len(lines)
+    bad = stackfuse("prebuild", "--list", "--dtype", "float32", env=service_env, timeout=120)
+    assert bad.returncode == 2 and "float16 and bfloat16" in bad.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import uuid
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,39 @@ def test_compile_then_cache_hit_runs_no_nvcc(kernel_settings: Settings, tmp_path
     broken = dataclasses.replace(find_toolchain(kernel_settings), nvcc=tmp_path / "no-such-nvcc")
     again = codegen.compile_object(ks, settings=kernel_settings, chain=broken)
     assert again.cache_hit and again.object_path == first.object_path
+    # what the unit needs (a Hopper site's configuration; nothing here: head_dim_v differs, so
+    # the SM80-class kernel) comes back with it, from the cache as well
+    assert len(first.needs) == len(ks.needs) and all(p.exists() for p in first.needs)
+    assert again.objects == (first.object_path, *first.needs)
+
+
+@pytest.mark.nvcc
+def test_needs_compile_apart_are_cached_and_listed_once(kernel_settings: Settings) -> None:
+    """What a unit needs is its own cached object: listed once however often it is needed,
+    and a hit only when every part is one."""
+    token = uuid.uuid4().hex  # a cold cache for this run's sources
+    lib = codegen.KernelSource(
+        symbol="stackfuse_lib",
+        family=codegen.FAMILY_SM80,
+        source=f'// {token}\nextern "C" int stackfuse_lib(int a) {{ return a + 1; }}\n',
+    )
+
+    def user(name: str, needs: tuple[codegen.KernelSource, ...]) -> codegen.KernelSource:
+        return codegen.KernelSource(
+            symbol=name,
+            family=codegen.FAMILY_SM80,
+            source=f'// {token}\nextern "C" int stackfuse_lib(int);\n'
+            f'extern "C" int {name}(int v) {{ return stackfuse_lib(v); }}\n',
+            needs=needs,
+        )
+
+    a = codegen.compile_object(user("use_a", (lib,)), settings=kernel_settings)
+    assert not a.cache_hit and len(a.needs) == 1
+    b = codegen.compile_object(user("use_b", (lib, lib)), settings=kernel_settings)
+    assert b.needs == a.needs  # the same object, once
+    assert not b.cache_hit  # its own unit was compiled, though its need was cached
+    again = codegen.compile_object(user("use_a", (lib,)), settings=kernel_settings)
+    assert again.cache_hit and again.objects == a.objects
 
 
 @pytest.mark.nvcc

@@ -10,6 +10,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -129,10 +130,14 @@ def test_selection_covers_every_shape_class() -> None:
     for tile in (32, 64, 128, 256):
         for causal in (False, True):
             for size in ("tiny", "small", "large"):
-                pick = hopper.SELECTION[(tile, causal, size)]
-                assert pick == "sm80" or pick in hopper._BY_HEAD_DIM[tile]
-    for key, pick in hopper.SELECTION_GROUPED.items():
-        assert pick in hopper._BY_HEAD_DIM[key[0]]
+                choice = hopper.SELECTION[(tile, causal, size)]
+                prefs = (choice,) if isinstance(choice, str) else choice
+                assert all(p in hopper._BY_HEAD_DIM[tile] for p in prefs)
+                # a preference list ends in a variant that takes any key length
+                assert hopper.VARIANTS[prefs[-1]].max_seq_kv is None
+    for key, choice in hopper.SELECTION_GROUPED.items():
+        prefs = (choice,) if isinstance(choice, str) else choice
+        assert all(p in hopper._BY_HEAD_DIM[key[0]] for p in prefs)
 
 
 def test_short_sequence_variant_only_where_every_key_fits() -> None:
@@ -153,7 +158,12 @@ def test_shape_classes_follow_the_measurements() -> None:
     # one wave or less of 128-row tiles: 64-row tiles (B4 S128 N12 H64 measured 1.33x faster)
     tiny = stacked(batch=4, seq=128, nq=12, nkv=12, h=64)
     assert hopper.shape_class(tiny) == (64, False, "tiny")
-    assert hopper.variants(tiny)[0] == "tma_64x128"
+    # every key fits our short-sequence kernel (4.13 vs 4.20 us, run 7); else 64-row TMA tiles
+    assert hopper.variants(tiny)[0] == "short_64x128"
+    assert hopper.variants(stacked(batch=2, seq=100, nq=16, nkv=4, h=64))[0] == "short_64x128"
+    longer = stacked(batch=2, seq=256, nq=12, nkv=12, h=64)
+    assert hopper.shape_class(longer) == (64, False, "tiny")
+    assert hopper.variants(longer)[0] == "tma_64x128"
     # BERT-base: 384 CTAs but one key tile each: "small", 128-row ping-pong
     bert = stacked(batch=32, seq=128, nq=12, nkv=12, h=64)
     assert hopper.shape_class(bert) == (64, False, "small")
@@ -198,6 +208,17 @@ _ALLOWED_IDENTIFIERS = {
     "StackedSpec",
     "kSpec",
     "run_stacked",
+    # the configuration's entry point (hopper_api.h's LaunchFn)
+    "Status",
+    "Problem",
+    "p",
+    "cudaStream_t",
+    "stream",
+    "cudaError_t",
+    "cuda_error",
+    "launch",
+    "return",
+    "hopper_fmha",
     "CausalMode",
     "kNone",
     "kTopLeft",
@@ -247,11 +268,37 @@ def test_render_holds_only_numbers_and_the_symbol(variant: str, h: int, causal: 
     assert ks.family == "cutlass_fmha_hopper"
     assert ks.symbol == "stackfuse_h0123abcd"
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(stackfuse_h0123abcd, impl)" in ks.source
-    idents, numbers = _code_tokens(ks.source)
-    assert idents - _ALLOWED_IDENTIFIERS == {"stackfuse_h0123abcd", "op0"}
-    assert '"' not in re.sub(r'#include "[a-z_./]+"', "", ks.source)
-    for n in numbers:
-        float(n.rstrip("f"))  # every other token is a number
+    (cfg,) = ks.needs  # the configuration: compiled apart, linked along
+    assert re.fullmatch(r"stackfuse_hcfg_[0-9a-f]{24}", cfg.symbol)
+    for src, own in (
+        (ks.source, {"stackfuse_h0123abcd", "op0", cfg.symbol}),
+        (cfg.source, {cfg.symbol}),
+    ):
+        idents, numbers = _code_tokens(src)
+        assert idents - _ALLOWED_IDENTIFIERS == own
+        assert '"' not in re.sub(r'#include "[a-z_./]+"', "", src)
+        for n in numbers:
+            float(n.rstrip("f"))  # every other token is a number
+
+
+def test_one_configuration_object_serves_every_shape_of_it() -> None:
+    """The CUTLASS instantiation depends on dtype, variant, tile and mask only: sites and
+    models that differ in batch, length, heads or strides share its object (one ~45 s compile),
+    and only their glue (seconds) is compiled per shape."""
+    a = hopper.render(stacked(nq=32, nkv=8, h=128), "a", "pingpong_128x128")
+    b = hopper.render(stacked(batch=2, seq=4096, nq=12, nkv=12, h=96), "b", "pingpong_128x128")
+    assert a.source != b.source
+    assert a.needs == b.needs
+    causal = hopper.render(stacked(nq=32, nkv=8, h=128, causal="TopLeft"), "c", "pingpong_128x128")
+    bf16 = hopper.render(stacked(dtype="bfloat16", h=128), "d", "pingpong_128x128")
+    other = hopper.render(stacked(h=128), "e", "coop_128x128")
+    symbols = {x.needs[0].symbol for x in (a, causal, bf16, other)}
+    assert len(symbols) == 4
+    # the glue includes no CUTLASS: its compile is small
+    assert "hopper_fmha.cuh" not in a.source and "hopper_fmha.cuh" in a.needs[0].source
+    glue = (hopper.KERNELS_DIR / "hopper_fmha_tvm.cuh").read_text()
+    api = (hopper.KERNELS_DIR / "hopper_api.h").read_text()
+    assert "cutlass" not in re.sub(r"//[^\n]*", "", glue + api)
 
 
 def test_render_numbers_come_from_the_spec() -> None:
@@ -263,15 +310,16 @@ def test_render_numbers_come_from_the_spec() -> None:
     assert f"/*v=*/{{0, {40 * 64}, {c}, 64}}" in src
     assert "/*batch=*/4, /*seq_q=*/1024, /*seq_kv=*/1024" in src
     assert "/*q_heads=*/32, /*kv_heads=*/8" in src
-    assert "cutlass::half_t, 192, 128, 64, cutlass::gemm::KernelTmaWarpSpecializedPingpong" in src
-    assert "Tag::kNumMmaWarpGroups, cute::Int<3>" in src
+    cfg = hopper.render(spec, "s", "pingpong3_192x128").needs[0].source
+    assert "cutlass::half_t, 192, 128, 64, cutlass::gemm::KernelTmaWarpSpecializedPingpong" in cfg
+    assert "Tag::kNumMmaWarpGroups, cute::Int<3>" in cfg
 
 
 def test_render_dynamic_dims_and_bf16() -> None:
     spec = stacked(dtype="bfloat16", batch=DYNAMIC, seq=DYNAMIC)
     ks = hopper.render(spec, "s", "coop_128x128")
     assert "/*batch=*/-1, /*seq_q=*/-1, /*seq_kv=*/-1" in ks.source
-    assert "cutlass::bfloat16_t" in ks.source
+    assert "cutlass::bfloat16_t" in ks.needs[0].source
     assert "/*dtype_code=*/4" in ks.source
     assert isinstance(ks.workspace_bytes, str)
     fixed = hopper.render(stacked(), "s", "coop_128x128")
@@ -280,9 +328,12 @@ def test_render_dynamic_dims_and_bf16() -> None:
 
 def test_render_flags_target_sm90a_and_the_example() -> None:
     ks = hopper.render(stacked(), "s", "coop_128x128")
-    assert "-gencode=arch=compute_90a,code=sm_90a" in ks.flags
-    assert any(f.endswith("88_hopper_fmha") for f in ks.flags)
+    cfg = ks.needs[0]
+    assert "-gencode=arch=compute_90a,code=sm_90a" in cfg.flags
+    assert any(f.endswith("88_hopper_fmha") for f in cfg.flags)
+    assert any(f == f"-I{hopper.KERNELS_DIR}" for f in cfg.flags)
     assert any(f == f"-I{hopper.KERNELS_DIR}" for f in ks.flags)
+    assert not any(f.endswith("88_hopper_fmha") for f in ks.flags)  # the glue needs no CUTLASS
     assert ks.config["variant"] == "coop_128x128"
 
 
@@ -308,11 +359,19 @@ def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int) -
     and our short-sequence kernel."""
     spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h)
     ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", variant)
-    obj = compile_object(ks).object_path
+    compiled = compile_object(ks)
     nm = shutil.which("nm")
     assert nm is not None
-    symbols = subprocess.run([nm, str(obj)], capture_output=True, text=True, check=True).stdout
-    assert re.search(r"\bT __tvm_ffi_stackfuse_hopper_nvcc_test\b", symbols)
+
+    def symbols(obj: Path) -> str:
+        return subprocess.run([nm, "-C", str(obj)], capture_output=True, text=True).stdout
+
+    (cfg_obj,) = compiled.needs
+    glue = symbols(compiled.object_path)
+    assert re.search(r"\bT __tvm_ffi_stackfuse_hopper_nvcc_test\b", glue)
+    cfg = ks.needs[0].symbol
+    assert re.search(rf"\bU stackfuse::hopper::{cfg}\(", glue)  # called, defined apart
+    assert re.search(rf"\bT stackfuse::hopper::{cfg}\(", symbols(cfg_obj))
 
 
 def test_render_takes_shape_arguments_that_are_no_tensor() -> None:
@@ -337,3 +396,25 @@ def test_workspace_is_one_log_sum_exp_per_query_row_and_head() -> None:
     # GQA runs as one launch over all Nq query heads: B * Sq * Nq floats
     ks = hopper.render(stacked(nq=32, nkv=8), "s", "pingpong_128x128")
     assert ks.workspace_bytes == 8 * 2048 * 32 * 4
+
+
+def test_prebuild_covers_every_configuration_the_selection_picks() -> None:
+    """`stackfuse prebuild` compiles selected_configs(): every shape class's pick, either
+    dtype, each causal mode, must be among them, or a warm worker would still compile."""
+    warm = {hopper.render_config(sp, v).source for v, sp in hopper.selected_configs()}
+    for tile in (32, 64, 128, 256):
+        for seq, batch in ((128, 1), (256, 32), (2048, 8)):
+            for causal in ("none", "TopLeft", "BottomRight"):
+                for dtype in ("float16", "bfloat16"):
+                    for nkv in (16, 4):
+                        spec = stacked(
+                            dtype=dtype,
+                            batch=batch,
+                            seq=seq,
+                            nq=16,
+                            nkv=nkv,
+                            h=tile,
+                            causal=causal,
+                        )
+                        ks = hopper.render(spec, "s", hopper.variants(spec)[0])
+                        assert ks.needs[0].source in warm, (tile, seq, causal, dtype, nkv)

@@ -38,6 +38,7 @@
 #include "collective/fmha_fusion.hpp"
 #include "kernel/fmha_kernel_builder.hpp"
 
+#include "hopper_api.h"
 #include "hopper_short.cuh"
 
 namespace stackfuse {
@@ -377,63 +378,9 @@ struct Config {
   static constexpr bool kHeadsMode0 = kHeadsFirst<Options...>;
 };
 
-// Strides in elements. Batch stride of an operand is row * seq_len of that operand.
-struct Operand {
-  const void* ptr;
-  int64_t row;
-  int64_t batch;
-  int64_t head;
-};
-
-struct Problem {
-  Operand q, k, v;
-  void* o;
-  int64_t o_row, o_batch, o_head;
-  float* lse;  // scratch of lse_bytes(): the epilogue always writes the log-sum-exp
-  int batch, seq_q, seq_kv, q_heads, kv_heads, head_dim;
-  float scale;
-  int device_id;
-};
-
-// Bytes of the scratch buffer `launch` needs: one float per query row and query head (the
-// launches of a group, where there are several, run one after the other and share it).
-inline int64_t lse_bytes(int batch, int q_heads, int seq_q) {
-  return int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float));
-}
-
 constexpr double kLog2e = 1.4426950408889634;  // the kernels take the softmax scale in base 2
 
 inline bool fits_int(int64_t x) { return x >= 0 && x <= INT32_MAX; }
-
-// Why a failure happened, for the caller's error message.
-enum class Status : int {
-  kOk = 0,
-  kBadHeads = 1,
-  kStrideOverflow = 2,
-  kMisaligned = 3,
-  kSmemAttribute = 4,
-  kLaunch = 5,
-  kDevice = 6,
-  kTooManyKeys = 7,
-  kGridOverflow = 8,
-};
-
-inline const char* status_text(Status s) {
-  switch (s) {
-    case Status::kOk: return "ok";
-    case Status::kBadHeads: return "query heads are not a multiple of key/value heads";
-    case Status::kStrideOverflow: return "a stride or extent exceeds 2^31 elements";
-    case Status::kMisaligned:
-      return "an operand address or stride is not 16-byte aligned (TMA needs 16 bytes)";
-    case Status::kSmemAttribute: return "cudaFuncSetAttribute (shared memory) failed";
-    case Status::kLaunch: return "kernel launch failed";
-    case Status::kDevice: return "cannot query the CUDA device";
-    case Status::kTooManyKeys:
-      return "more than 128 keys for the short-sequence kernel (compiled for at most 128)";
-    case Status::kGridOverflow: return "more than 65535 heads or batch entries in one launch";
-  }
-  return "unknown";
-}
 
 template <class Kernel>
 Status ensure_smem_attribute(int device_id) {

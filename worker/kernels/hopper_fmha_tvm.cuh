@@ -3,7 +3,8 @@
 // takes the LSE scratch buffer from TVM's workspace pool and launches on TVM's stream.
 //
 // Why a header and not generated text: the checks are the same for every configuration; the
-// generated translation unit only fills a `StackedSpec` with numbers and picks a `Kernel` type.
+// generated translation unit only fills a `StackedSpec` with numbers and names the compiled
+// configuration (a `LaunchFn`, see hopper_api.h) to call. No CUTLASS header is included here.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
-#include "hopper_fmha.cuh"
+#include "hopper_api.h"
 
 extern "C" {
 void* TVMBackendAllocWorkspace(int device_type, int device_id, uint64_t nbytes,
@@ -87,9 +88,9 @@ inline int64_t resolve(int64_t baked, int64_t runtime, const char* what) {
   return runtime;
 }
 
-// Cfg: a stackfuse::hopper::Config<...> instantiation. ops[i] is null where op_rank[i] is -1.
-template <class Cfg>
-void run_stacked(const StackedSpec& s, DLTensor* const* ops, DLTensor* out) {
+// launch: the compiled configuration's entry point. ops[i] is null where op_rank[i] is -1.
+inline void run_stacked(LaunchFn launch, const StackedSpec& s, DLTensor* const* ops,
+                        DLTensor* out) {
   const DLTensor* first = nullptr;
   for (int i = 0; i < s.num_operands; ++i) {
     if (s.op_rank[i] < 0) continue;
@@ -174,7 +175,7 @@ void run_stacked(const StackedSpec& s, DLTensor* const* ops, DLTensor* out) {
     switched = cudaSetDevice(dev) == cudaSuccess;
   }
   cudaError_t cuda_error = cudaSuccess;
-  Status st = launch<Cfg>(p, stream, &cuda_error);
+  Status st = launch(p, stream, &cuda_error);
   if (switched) (void)cudaSetDevice(prev_dev);
   TVMBackendFreeWorkspace(kDLCUDA, dev, lse);
   if (st != Status::kOk) {
