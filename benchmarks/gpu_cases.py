@@ -161,6 +161,7 @@ HOPPER_CASES = (
     "bert_base_fp16",
     "b8_s2048_n16_h128_fp16",
     "split_fp16_causal_bottomright",
+    "split_fp16_causal_topleft",
     "split_bf16",
     "split_fp16_symbolic_batch",
     "split_fp16_epilogue",

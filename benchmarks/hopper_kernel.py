@@ -381,6 +381,23 @@ BENCH_SHAPES = [
     ("b4_s2048_n8_h256", 4, 2048, 8, 8, 256, False, "float16"),
 ]
 
+#: one shape per SELECTION class that had no measurement (``run --shapes sweep``): short
+#: prompts and single sequences at head dim 128, causal or not, and causal BERT-like shapes
+SWEEP_SHAPES = [
+    ("b16_s256_n16_h128", 16, 256, 16, 16, 128, False, "float16"),  # (128, False, small)
+    ("b16_s256_n16_h128_causal", 16, 256, 16, 16, 128, True, "float16"),  # (128, True, small)
+    ("b1_s512_n16_h128", 1, 512, 16, 16, 128, False, "float16"),  # (128, False, tiny)
+    ("b1_s512_n16_h128_causal", 1, 512, 16, 16, 128, True, "float16"),  # (128, True, tiny)
+    ("b4_s128_n12_h64_causal", 4, 128, 12, 12, 64, True, "float16"),  # (64, True, tiny)
+    ("b32_s128_n12_h64_causal", 32, 128, 12, 12, 64, True, "float16"),  # (64, True, small)
+]
+
+
+def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
+    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_SHAPES when HOPPER_BENCH_SHAPES=sweep
+    (set by ``run --shapes``; the worker processes inherit it)."""
+    return SWEEP_SHAPES if os.environ.get("HOPPER_BENCH_SHAPES") == "sweep" else BENCH_SHAPES
+
 
 def _setup_runtime() -> tuple[Any, Any]:
     import ctypes
@@ -646,7 +663,7 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
     gen = torch.Generator(device="cuda")
     gen.manual_seed(99)
     index = -1
-    for shape in BENCH_SHAPES:
+    for shape in shapes():
         name, b, s, nq, nkv, h, causal, dtype = shape
         want_causal = "TopLeft" if causal else "none"
         slots = _bench_slots(manifest, shape)
@@ -1024,7 +1041,7 @@ def run(directory: Path, out: Path, budget_s: float) -> int:
     manifest = json.loads((directory / "manifest.json").read_text())
     n_num = len(numerics_items(manifest))
     n_bench = 0
-    for shape in BENCH_SHAPES:
+    for shape in shapes():
         slots = _bench_slots(manifest, shape)
         n_bench += 4 + len(slots) if slots else 0  # + 4 SDPA ways
     t0 = time.monotonic()
@@ -1107,6 +1124,9 @@ def main() -> int:
     r.add_argument("--dir", type=Path, default=REPO / ".gpu" / "hopper")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
+    r.add_argument(
+        "--shapes", choices=["main", "sweep"], default="main", help="BENCH_ or SWEEP_SHAPES"
+    )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)
     w.add_argument("--out", type=Path, required=True)
@@ -1118,6 +1138,7 @@ def main() -> int:
         return build(args.out, args.jobs, args.only)
     if args.cmd == "worker":
         return worker(args.dir, args.out, args.phase, args.start)
+    os.environ["HOPPER_BENCH_SHAPES"] = args.shapes
     return run(args.dir, args.out, args.budget)
 
 
