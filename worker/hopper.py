@@ -3,11 +3,14 @@
 The SM80-class fMHA runs at ~0.3x of cuDNN on an H200; the Hopper FMHA of
 ``examples/88_hopper_fmha`` (nvidia-cutlass 4.2) matches it. This module decides whether that
 kernel can take an :class:`AttentionSpec` (:func:`supports`), which of its schedules/tiles to try
-(:func:`variants`, :data:`SELECTION`), and renders one translation unit per choice
-(:func:`render`). The C++ lives in ``worker/kernels/hopper_fmha*.cuh``; the example is used as a
-library from the installed package, never copied.
+(:func:`variants`, :data:`SELECTION`), and renders two translation units per choice: the
+configuration (:func:`render_config`: the CUTLASS kernel, shared by every shape that uses it,
+the expensive compile) and the site's glue (:func:`render`: the spec's numbers, seconds to
+compile). The C++ lives in ``worker/kernels/hopper_*``; the example is used as a library from
+the installed package, never copied.
 
-The generated source holds numbers from the spec and the caller's symbol, nothing else.
+The generated sources hold numbers from the spec, our fixed type names and the caller's symbol,
+nothing else.
 """
 
 from __future__ import annotations
@@ -145,7 +148,9 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
 #: fewer than two waves of them or a key length of at most SHORT_SEQ_KV, else "large".
 #: The SM80-class kernel never won a shape the Hopper kernel takes (B32 S128 N12 H64: ~30
 #: TFLOP/s against ~134), so no class maps to it; it stays the kernel for what supports()
-#: rejects and for other archs. "unmeasured": no benchmark shape of that class was run.
+#: rejects and for other archs. "unmeasured": no benchmark shape of that class was run. A tuple
+#: names variants in order of preference: the first that takes the spec (its key length fits,
+#: see Variant.takes) is the pick.
 SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (32, False, "large"): "tma_64x128",  # B8 S2048 N16: 225 / 225 vs coop_128x64 186 / 185
     (32, True, "large"): "coop_128x64",  # unmeasured; tma at d32 causal not checked on GPU
@@ -181,9 +186,6 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (256, False, "tiny"): "coop_128x64",
     (256, True, "tiny"): "coop_128x64",
 }
-
-#: A tuple names variants in order of preference: the first that takes the spec (its key
-#: length fits, see Variant.takes) is the pick.
 
 #: GQA/MQA (Nq > Nkv) classes where another variant wins (run 3, one launch per group):
 #: B8 S2048 Nq32 Nkv8 H128: coop_128x128 631 TFLOP/s vs pingpong_128x128 578.
