@@ -358,7 +358,9 @@ def _register_prebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"])
     p.add_argument("--only", default=None, help="regex on the configuration's C++ type")
     p.add_argument("--jobs", type=int, default=1, help="parallel nvcc runs (~4 GB each)")
-    p.add_argument("--list", action="store_true", help="list the configurations, compile none")
+    p.add_argument(
+        "--list", action="store_true", help="list the configurations (cached or missing)"
+    )
     p.set_defaults(func=_cmd_prebuild)
 
 
@@ -378,8 +380,15 @@ def _cmd_prebuild(args: argparse.Namespace, settings: Settings) -> int:
         except re.error as exc:
             return _fail(f"--only is not a regular expression: {exc}", EXIT_INPUT)
     if args.list:
+        from worker.toolchain import find_toolchain
+
+        try:
+            chain = find_toolchain(settings)
+        except StackfuseError as err:
+            return _fail(f"{err.type}: {err.message}", _exit_code(err))
         for u in units:
-            print(f"{u.symbol}  {u.config['type']}")
+            state = "cached " if codegen.is_cached(u, settings, chain) else "missing"
+            print(f"{u.symbol}  {state}  {u.config['type']}")
         return EXIT_OK
 
     def one(u: codegen.KernelSource) -> tuple[codegen.KernelSource, float, bool]:

@@ -407,6 +407,12 @@ def compile_object(
     )
 
 
+def is_cached(ks: KernelSource, settings: Settings, chain: Toolchain) -> bool:
+    """Whether ``ks``'s object (not what it needs) is in the kernel cache already."""
+    key = cache_key(ks, chain)
+    return (settings.resolved_kernel_cache_dir() / "objects" / key[:2] / f"{key}.o").exists()
+
+
 def _compile_one(ks: KernelSource, settings: Settings, chain: Toolchain) -> tuple[Path, str, bool]:
     """(object path, cache key, cache hit) for ``ks`` alone."""
     key = cache_key(ks, chain)

@@ -161,6 +161,7 @@ def test_prebuild_lists_the_selected_configurations_and_refuses_bad_input(
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) >= 10 and all(line.startswith("stackfuse_hcfg_") for line in lines)
+    assert all(line.split()[1] in ("cached", "missing") for line in lines)
     assert all("cutlass::half_t" in line for line in lines)
     assert any("KernelTmaWarpSpecializedPingpong" in line for line in lines)
     one = stackfuse(
