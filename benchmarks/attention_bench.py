@@ -19,12 +19,13 @@ FLOPs = 4*B*S*S*N*H (halved for causal). Results: benchmarks/results/attention_b
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.hopper_kernel import ROUNDS, rotated_rounds
 
 SHAPES: list[dict[str, Any]] = [
     {"name": "b8_s2048_n16_h128", "b": 8, "s": 2048, "n": 16, "h": 128},
@@ -123,25 +124,17 @@ def _kernel_time(fn: Any, torch: Any, calls: int = 5) -> float:
     return total_us / 1e6 / calls
 
 
-#: kernel-time rounds per shape (each way once per round, the order rotated; median reported)
-ROUNDS = int(os.environ.get("STACKFUSE_BENCH_ROUNDS", "5"))
-
-
 def _kernel_rounds(ways: dict[str, Any], torch: Any, calls: int = 20) -> dict[str, list[float]]:
-    """Per way, ROUNDS samples of GPU kernel seconds per call. The GPU is kept busy for ~0.3 s
-    first (idle, the H200 sits at 345 MHz); each round times every way once, in an order
-    rotated by one per round and reversed every other round, so that clock drift favours none."""
-    names = list(ways)
+    """Per way, ROUNDS samples of GPU kernel seconds per call, in the kernel benchmark's order
+    (``rotated_rounds``), after ~0.3 s of keeping the GPU busy (idle, the H200 sits at 345 MHz)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 0.3:
         for fn in ways.values():
             fn()
         torch.cuda.synchronize()
-    out: dict[str, list[float]] = {n: [] for n in names}
-    for rnd in range(ROUNDS):
-        order = names[rnd % len(names) :] + names[: rnd % len(names)]
-        for name in order if rnd % 2 == 0 else order[::-1]:
-            out[name].append(_kernel_time(ways[name], torch, calls=calls))
+    out: dict[str, list[float]] = {n: [] for n in ways}
+    for _rnd, name in rotated_rounds(list(ways)):
+        out[name].append(_kernel_time(ways[name], torch, calls=calls))
     return out
 
 

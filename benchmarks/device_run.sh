@@ -4,7 +4,7 @@
 # pipeline-level benchmark. Everything lands in $OUT/run.tgz (the tool returns at most 8 files).
 # Carry: .gpu/site $KERNEL_DIR/libhopper_test.so $KERNEL_DIR/manifest.json (KERNEL_DIR defaults
 #        to .gpu/hopper_run3) .gpu/cases_hopper .gpu/bench .gpu/models (a missing directory's
-#        step is skipped). HOPPER_BENCH_ROUNDS sets the kernel benchmark's rounds (default 5).
+#        step is skipped). STACKFUSE_BENCH_ROUNDS sets both benchmarks' rounds (default 5).
 set -uo pipefail
 export PYTHONPATH=$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1
 res=/tmp/results && mkdir -p "$res"

@@ -606,8 +606,21 @@ def _latency_us(torch: Any, call: Any, reps: int, nbuf: int) -> tuple[float, flo
     return statistics.median(lat), issue
 
 
-#: timing rounds per shape (each method once per round; its median is reported)
-ROUNDS = int(os.environ.get("HOPPER_BENCH_ROUNDS", "5"))
+#: timing rounds per shape (each method once per round; its median is reported); shared with
+#: benchmarks/attention_bench.py
+ROUNDS = int(os.environ.get("STACKFUSE_BENCH_ROUNDS", "5"))
+
+
+def rotated_rounds(names: list[str], rounds: int = ROUNDS) -> list[tuple[int, str]]:
+    """(round, name) in the order the benchmarks time methods: every name once per round, the
+    order rotated by one each round and reversed every other round, so that clock drift and
+    warm-up favour no method."""
+    out: list[tuple[int, str]] = []
+    for rnd in range(rounds):
+        k = rnd % len(names) if names else 0
+        order = names[k:] + names[:k]
+        out += [(rnd, n) for n in (order if rnd % 2 == 0 else order[::-1])]
+    return out
 
 
 def _warm_clocks(torch: Any, calls: list[Any], nbuf: int, seconds: float = 0.3) -> None:
@@ -741,27 +754,21 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
         timings: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
         with tvm_ffi.use_torch_stream():
             _warm_clocks(torch, [methods[m][0] for m in todo], nbuf)
-            # ROUNDS rounds, each timing every method once, in an order rotated by one per round
-            # and reversed every other round: clock drift and warm-up favour no method. A
-            # method's figure is its median over the rounds (a noisy round moves it little).
-            for rnd in range(ROUNDS):
-                order = todo[rnd % len(todo) :] + todo[: rnd % len(todo)]
-                for mname in order if rnd % 2 == 0 else order[::-1]:
-                    call, _ = methods[mname]
-                    t: dict[str, Any] = {}
-                    try:
-                        for i in range(3):
-                            call(i % nbuf)
-                        torch.cuda.synchronize()
-                        t["ev"] = _events_median(torch, call, reps, nbuf)
-                        t["prof"], t["kernels"] = _profiler_kernel_us(
-                            torch, call, min(reps, 20), nbuf
-                        )
-                        if rnd in (0, ROUNDS - 1):  # call latency: two rounds are enough
-                            t["lat"], t["issue"] = _latency_us(torch, call, min(reps, 100), nbuf)
-                    except Exception as exc:
-                        t["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    timings[mname].append(t)
+            # a method's figure is its median over the rounds (a noisy round moves it little)
+            for rnd, mname in rotated_rounds(todo):
+                call, _ = methods[mname]
+                t: dict[str, Any] = {}
+                try:
+                    for i in range(3):
+                        call(i % nbuf)
+                    torch.cuda.synchronize()
+                    t["ev"] = _events_median(torch, call, reps, nbuf)
+                    t["prof"], t["kernels"] = _profiler_kernel_us(torch, call, min(reps, 20), nbuf)
+                    if rnd in (0, ROUNDS - 1):  # call latency: two rounds are enough
+                        t["lat"], t["issue"] = _latency_us(torch, call, min(reps, 100), nbuf)
+                except Exception as exc:
+                    t["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                timings[mname].append(t)
             for mname in todo:
                 call, call_pre = methods[mname]
                 rec: dict[str, Any] = {
