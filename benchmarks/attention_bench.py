@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.hopper_kernel import ROUNDS, rotated_rounds
+from benchmarks.hopper_kernel import ROUNDS, rotated_rounds, warm_clocks
 
 SHAPES: list[dict[str, Any]] = [
     {"name": "b8_s2048_n16_h128", "b": 8, "s": 2048, "n": 16, "h": 128},
@@ -126,12 +126,8 @@ def _kernel_time(fn: Any, torch: Any, calls: int = 5) -> float:
 
 def _kernel_rounds(ways: dict[str, Any], torch: Any, calls: int = 20) -> dict[str, list[float]]:
     """Per way, ROUNDS samples of GPU kernel seconds per call, in the kernel benchmark's order
-    (``rotated_rounds``), after ~0.3 s of keeping the GPU busy (idle, the H200 sits at 345 MHz)."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.3:
-        for fn in ways.values():
-            fn()
-        torch.cuda.synchronize()
+    (``rotated_rounds``), after the kernel benchmark's warm-up (``warm_clocks``)."""
+    warm_clocks(torch, [lambda _i, fn=fn: fn() for fn in ways.values()])
     out: dict[str, list[float]] = {n: [] for n in ways}
     for _rnd, name in rotated_rounds(list(ways)):
         out[name].append(_kernel_time(ways[name], torch, calls=calls))

@@ -623,7 +623,7 @@ def rotated_rounds(names: list[str], rounds: int = ROUNDS) -> list[tuple[int, st
     return out
 
 
-def _warm_clocks(torch: Any, calls: list[Any], nbuf: int, seconds: float = 0.3) -> None:
+def warm_clocks(torch: Any, calls: list[Any], nbuf: int = 1, seconds: float = 0.3) -> None:
     """Keep the GPU busy for ``seconds`` before the first timing, so that it starts at its
     boost clock (idle, the H200 sits at 345 MHz) and not during the first method's rounds.
     A method that cannot run this shape (an SDPA backend without GQA) is left out here; its
@@ -753,7 +753,7 @@ def bench(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]], st
         todo = [m for off, m in enumerate(names) if first + off >= start]
         timings: dict[str, list[dict[str, Any]]] = {m: [] for m in todo}
         with tvm_ffi.use_torch_stream():
-            _warm_clocks(torch, [methods[m][0] for m in todo], nbuf)
+            warm_clocks(torch, [methods[m][0] for m in todo], nbuf)
             # a method's figure is its median over the rounds (a noisy round moves it little)
             for rnd, mname in rotated_rounds(todo):
                 call, _ = methods[mname]

@@ -407,18 +407,22 @@ def compile_object(
     )
 
 
+def _cached_path(ks: KernelSource, settings: Settings, chain: Toolchain) -> tuple[str, Path]:
+    """(cache key, where the object of ``ks`` alone lives in the kernel cache)."""
+    key = cache_key(ks, chain)
+    return key, settings.resolved_kernel_cache_dir() / "objects" / key[:2] / f"{key}.o"
+
+
 def is_cached(ks: KernelSource, settings: Settings, chain: Toolchain) -> bool:
     """Whether ``ks``'s object (not what it needs) is in the kernel cache already."""
-    key = cache_key(ks, chain)
-    return (settings.resolved_kernel_cache_dir() / "objects" / key[:2] / f"{key}.o").exists()
+    return _cached_path(ks, settings, chain)[1].exists()
 
 
 def _compile_one(ks: KernelSource, settings: Settings, chain: Toolchain) -> tuple[Path, str, bool]:
     """(object path, cache key, cache hit) for ``ks`` alone."""
-    key = cache_key(ks, chain)
-    shard = settings.resolved_kernel_cache_dir() / "objects" / key[:2]
+    key, obj = _cached_path(ks, settings, chain)
+    shard = obj.parent
     shard.mkdir(parents=True, exist_ok=True)
-    obj = shard / f"{key}.o"
     if obj.exists():
         return obj, key, True
     with open(shard / f"{key}.lock", "w") as lock:
