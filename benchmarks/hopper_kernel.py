@@ -132,13 +132,13 @@ def catalog() -> list[Slot]:
     add(b16, "tma_64x128", "none@64", [(12, 12, 64)])
     add(b16, "coop_128x64", "none@32", _HEADS_32)
     add(b16, "coop_128x64", "none@256", _HEADS_256)
-    # our short-sequence kernel (at most 128 keys; numerics at <= 128 keys only)
-    add(f16, "short_64x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
-    add(f16, "short_64x128", "TopLeft@64", [(12, 12, 64), (16, 4, 64)])
-    add(f16, "short_64x128", "BottomRight@64", [], [(16, 4, 64)])
-    add(b16, "short_64x128", "none@64", [(12, 12, 64), (16, 4, 64)])
-    add(f16, "short_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], [], [(12, 12, 64)])
-    add(f16, "short_128x128", "TopLeft@64", [(16, 4, 64)])
+    # our short-sequence kernel (wgmma; at most 128 or 256 keys, numerics within that only)
+    for w in ("shortw_64x128", "shortw_64x256"):
+        add(f16, w, "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
+        add(f16, w, "TopLeft@64", [(12, 12, 64), (16, 4, 64)], [(16, 4, 64)])
+        add(f16, w, "BottomRight@64", [], [(16, 4, 64)])
+        add(b16, w, "none@64", [(12, 12, 64), (16, 4, 64)], [(16, 4, 64)])
+        add(b16, w, "TopLeft@64", [(16, 4, 64)])
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
@@ -393,10 +393,21 @@ SWEEP_SHAPES = [
 ]
 
 
+#: every shape with at most 256 keys at head dim 64 (``run --shapes short``): where the
+#: example's kernels trail cuDNN and our short-sequence kernels compete
+SHORT_SHAPES = [
+    *(sh for sh in BENCH_SHAPES if sh[2] <= 256 and sh[5] == 64),
+    *(sh for sh in SWEEP_SHAPES if sh[2] <= 256 and sh[5] == 64),
+    ("b16_s256_n12_h64", 16, 256, 12, 12, 64, False, "float16"),  # BERT at 256 tokens
+]
+
+
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
-    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_SHAPES when HOPPER_BENCH_SHAPES=sweep
-    (set by ``run --shapes``; the worker processes inherit it)."""
-    return SWEEP_SHAPES if os.environ.get("HOPPER_BENCH_SHAPES") == "sweep" else BENCH_SHAPES
+    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_SHAPES / SHORT_SHAPES when
+    HOPPER_BENCH_SHAPES is sweep / short (set by ``run --shapes``; the worker processes
+    inherit it)."""
+    chosen = os.environ.get("HOPPER_BENCH_SHAPES")
+    return {"sweep": SWEEP_SHAPES, "short": SHORT_SHAPES}.get(chosen or "", BENCH_SHAPES)
 
 
 def _setup_runtime() -> tuple[Any, Any]:
@@ -471,10 +482,15 @@ def _make_inputs(
 
 def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int]]:
     """(B, Sq, Sk) per slot: tile-aligned, ragged, tiny, and Sq != Sk where the layout allows."""
-    if slot["variant"].startswith("short_"):  # at most 128 keys
+    most = slot.get("max_seq_kv")
+    if most == 128:  # short-sequence kernels
         if slot["kind"] == "split":
             return [(2, 64, 128), (1, 37, 100), (3, 128, 128)]
         return [(2, 128, 128), (3, 77, 77), (1, 1, 1), (5, 120, 120)]
+    if most == 256:
+        if slot["kind"] == "split":
+            return [(2, 64, 256), (1, 37, 200), (3, 256, 256), (2, 129, 200)]
+        return [(2, 256, 256), (3, 77, 77), (1, 1, 1), (5, 200, 200), (2, 129, 129)]
     if slot["any_seq"]:
         return [(2, 77, 77), (1, 203, 203), (3, 1, 1), (1, 999, 999)]
     if slot["kind"] == "split":
@@ -1132,7 +1148,10 @@ def main() -> int:
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
-        "--shapes", choices=["main", "sweep"], default="main", help="BENCH_ or SWEEP_SHAPES"
+        "--shapes",
+        choices=["main", "sweep", "short"],
+        default="main",
+        help="BENCH_, SWEEP_ or SHORT_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)

@@ -79,7 +79,7 @@ class Variant:
             _TMA: "TMA, not warp-specialized",
             _COOP: "TMA + warp-specialized, cooperative",
             _PING: "TMA + warp-specialized, ping-pong, persistent",
-            _SHORT: "ours: all keys in shared memory, mma.sync, 3 CTAs per SM",
+            _SHORT: "ours: all keys in shared memory, one warpgroup on wgmma",
         }[self.schedule]
 
     @property
@@ -108,9 +108,10 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("tma_64x128", _TMA, 64, 128),
         Variant("tmaB_64x128", _TMA, 64, 128, _BATCH_MAJOR),
-        # at most 128 keys: the whole key range in shared memory, 64 query rows per CTA
-        Variant("short_64x128", _SHORT, 64, 128, max_seq_kv=128),
-        Variant("short_128x128", _SHORT, 128, 128, max_seq_kv=128),
+        # ours: the whole key range (at most 128 or 256 keys) in shared memory, 64 query rows
+        # per CTA, wgmma ("w"; session 4's mma.sync short_* kernels are gone, slower everywhere)
+        Variant("shortw_64x128", _SHORT, 64, 128, max_seq_kv=128),
+        Variant("shortw_64x256", _SHORT, 64, 256, max_seq_kv=256),
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
@@ -134,8 +135,8 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpong_128x128",
         "tma_64x128",
         "tmaB_64x128",
-        "short_64x128",
-        "short_128x128",
+        "shortw_64x128",
+        "shortw_64x256",
     ),
     128: ("pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
     256: ("coop_128x64",),
@@ -160,19 +161,16 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (32, True, "tiny"): "coop_128x64",  # unmeasured
     (64, False, "large"): "pingpong3_192x128",  # B2 S8192 N16: 453 / 441 / 432 (coop3 445 in 3)
     (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 / 344 (pingpong3 315)
-    (
-        64,
-        False,
-        "small",
-    ): "pingpong_128x128",  # BERT B32 S128 N12: 134 / 133; B32 S256 GQA 16/4: 263
-    # B32 S128 N12 causal: 12.30 us vs tma_64x128 13.18, short_64x128 13.77 (run 8, sweep)
-    (64, True, "small"): "pingpong_128x128",
-    # B4 S128 N12: 64-row tiles halve each CTA's serial chain: 49 vs pingpong_128x128 37 (run 3);
-    # where every key fits, our short kernel ties or wins (4.12 vs 4.14 us in run 5, 4.13 vs
-    # 4.20 in run 7's medians) and compiles in a third of the time and a quarter of the memory
-    (64, False, "tiny"): ("short_64x128", "tma_64x128"),
-    # B4 S128 N12 causal: short_64x128 4.28 us, tma_64x128 4.32, pingpong_128x128 5.59 (run 8)
-    (64, True, "tiny"): ("short_64x128", "pingpong_128x128"),
+    # Our wgmma short-sequence kernel where every key fits (run 9, kernel time, medians of 5):
+    # BERT B32 S128 N12 10.8 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
+    # 14.9 vs 15.5 (cuDNN 13.4). GQA at 256 keys: SELECTION_GROUPED.
+    (64, False, "small"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
+    # B32 S128 N12 causal: shortw_64x128 11.6 us vs pingpong_128x128 12.3 (cuDNN 11.2; run 9)
+    (64, True, "small"): ("shortw_64x128", "pingpong_128x128"),
+    # B4 S128 N12: shortw_64x128 3.8 us vs tma_64x128 4.2, pingpong_128x128 5.5 (cuDNN 4.8; run 9)
+    (64, False, "tiny"): ("shortw_64x128", "tma_64x128"),
+    # B4 S128 N12 causal: shortw_64x128 3.9 us vs pingpong_128x128 5.6 (cuDNN 5.1; run 9)
+    (64, True, "tiny"): ("shortw_64x128", "pingpong_128x128"),
     (128, False, "large"): "pingpong_128x128",  # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610
     (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 / 544 (serpentine)
     (128, False, "small"): "pingpong_128x128",  # B16 S256 N16: 25.8 us vs coop 34.0 (run 8)
@@ -188,9 +186,12 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
 }
 
 #: GQA/MQA (Nq > Nkv) classes where another variant wins (run 3, one launch per group):
-#: B8 S2048 Nq32 Nkv8 H128: coop_128x128 631 TFLOP/s vs pingpong_128x128 578.
+#: B8 S2048 Nq32 Nkv8 H128: coop_128x128 631 TFLOP/s vs pingpong_128x128 578. At 129-256 keys
+#: a 64-row CTA re-reads its group's K/V once per query head and block: B32 S256 GQA 16/4
+#: shortw_64x256 36.3 us vs pingpong_128x128 32.8 (run 9), so ping-pong past 128 keys.
 SELECTION_GROUPED: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (128, False, "large"): "coop_128x128",
+    (64, False, "small"): ("shortw_64x128", "pingpong_128x128"),
 }
 
 #: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)

@@ -278,7 +278,8 @@ struct GroupedMainloop : Base {
   }
 };
 
-// Schedule tag of our short-sequence kernel (at most 128 keys, head dim <= 64)
+// Schedule tag of our short-sequence kernel (hopper_short.cuh: at most 128 or 256 keys, head
+// dim <= 64)
 struct ShortSeq {};
 
 namespace detail {
@@ -356,6 +357,7 @@ struct Compose<Element, TileShape, Fusion, ShortSeq, kCausal, Options...> {
   using Kernel = void;
 };
 
+
 }  // namespace detail
 
 // One forward configuration: element type, tile (BlockQ x BlockKV x HeadDim), schedule, mask.
@@ -371,6 +373,7 @@ struct Config {
   using Kernel = typename Composed::Kernel;
   using ScheduleTag = Schedule;
   static constexpr int kRowsPerCta = kBlockQ;
+  static constexpr int kKeysPerCta = kBlockKV;  // the short-sequence kernels: every key
   static constexpr CausalMode kCausalMode = kMode;
   // one launch for a whole GQA group (else one launch per query head of a group)
   static constexpr bool kGrouped = Composed::kGrouped;
@@ -382,16 +385,15 @@ constexpr double kLog2e = 1.4426950408889634;  // the kernels take the softmax s
 
 inline bool fits_int(int64_t x) { return x >= 0 && x <= INT32_MAX; }
 
-template <class Kernel>
-Status ensure_smem_attribute(int device_id) {
-  // cudaFuncSetAttribute is per device; remember the devices already set (up to 64).
+// Raise kernel kFn's dynamic shared-memory limit to smem bytes where it is above the default.
+// cudaFuncSetAttribute is per device; remember the devices already set (up to 64).
+template <auto kFn>
+Status ensure_smem_attribute(int smem, int device_id) {
   static uint64_t done_mask = 0;
   uint64_t bit = device_id < 64 ? (uint64_t(1) << device_id) : 0;
   if (bit != 0 && (__atomic_load_n(&done_mask, __ATOMIC_ACQUIRE) & bit)) return Status::kOk;
-  int smem = Kernel::SharedStorageSize;
   if (smem >= (48 << 10)) {
-    cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = cudaFuncSetAttribute(kFn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
       return Status::kSmemAttribute;
@@ -496,7 +498,9 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
                                __nv_bfloat16, __half>;
   namespace ss = short_seq;
   if (p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0) return Status::kBadHeads;
-  if (p.seq_kv > ss::kMaxKeys) return Status::kTooManyKeys;
+  constexpr int kKeys = Cfg::kKeysPerCta;
+  static_assert(kKeys == 128 || kKeys == 256, "128 or 256 keys per CTA");
+  if (p.seq_kv > kKeys) return Status::kTooManyKeys;
   if (p.head_dim > ss::kHeadDim || p.head_dim % 8 != 0) return Status::kMisaligned;
   int64_t const strides[] = {p.q.row, p.q.batch, p.q.head, p.k.row, p.k.batch, p.k.head,
                              p.v.row, p.v.batch, p.v.head, p.o_row, p.o_batch, p.o_head};
@@ -513,12 +517,14 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
                 p.v.head,  p.o_row,    p.o_batch,  p.o_head,   p.seq_q,   p.seq_kv,
                 p.head_dim, p.q_heads / p.kv_heads, float(double(p.scale) * kLog2e),
                 Cfg::kCausalMode == CausalMode::kBottomRight ? p.seq_kv - p.seq_q : 0};
-  constexpr int kWarps = Cfg::kRowsPerCta / 16;
-  static_assert(kWarps == 4 || kWarps == 8, "64 or 128 query rows per CTA");
-  dim3 const grid((p.seq_q + 16 * kWarps - 1) / (16 * kWarps), p.q_heads, p.batch);
+  static_assert(Cfg::kRowsPerCta == ss::kRows, "one warpgroup of 64 query rows per CTA");
+  dim3 const grid((p.seq_q + ss::kRows - 1) / ss::kRows, p.q_heads, p.batch);
   constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
-  ss::kernel<T, kCausal, kWarps>
-      <<<grid, 32 * kWarps, ss::smem_bytes<kWarps>(), stream>>>(sp);
+  constexpr int kSmem = ss::smem_bytes<kKeys>();
+  constexpr auto kFn = ss::kernel<T, kCausal, kKeys>;
+  Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
+  if (st != Status::kOk) return st;
+  kFn<<<grid, ss::kThreads, kSmem, stream>>>(sp);
   return after_launch(cuda_error);
 }
 
@@ -556,7 +562,8 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
 
   int const sms = sm_count(p.device_id);
   if (sms <= 0) return Status::kDevice;
-  Status st = ensure_smem_attribute<Kernel>(p.device_id);
+  Status st = ensure_smem_attribute<cutlass::device_kernel<Kernel>>(Kernel::SharedStorageSize,
+                                                                   p.device_id);
   if (st != Status::kOk) return st;
 
   cutlass::KernelHardwareInfo hw;

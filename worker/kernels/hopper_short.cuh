@@ -1,32 +1,37 @@
-// Short-sequence attention for the stacked layout: every key of a head (at most 128) in shared
-// memory, one CTA of 4 warps per 64 query rows of one (batch, head), FlashAttention-2-style
-// register tiles on mma.sync m16n8k16. Why: at one key tile per CTA (BERT-base: S 128) the
-// example's TMA/warp-specialized kernels pay fixed costs per CTA (barriers, descriptor
-// prefetch, a producer warpgroup) and hold one 128-row tile per SM; this kernel is small
-// (~130 registers, 40 KB of shared memory), so 3 CTAs share an SM and every load of a wave is in
-// flight at once. No online softmax is needed: the whole key range is one tile.
+// Short-sequence attention for the stacked layout on wgmma: every key of a head (at most 128 or
+// 256) in shared memory, one CTA of one warpgroup per 64 query rows of one (batch, head).
+// Why: at one or two key tiles per CTA (BERT-base: S 128) the example's TMA/warp-specialized
+// kernels pay fixed costs per CTA (barriers, descriptor prefetch, a producer warpgroup) and hold
+// one 128-row tile per SM; this kernel is small (96 registers and 41 KB at 128 keys), so five
+// CTAs share an SM and most loads of the launch are in flight at once. No online softmax: the
+// whole key range is one tile. Both products run on wgmma (an mma.sync version of this kernel,
+// session 4, was bound by its tensor-core rate: 13.4 us at BERT-base against 10.8 here).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cute/arch/mma_sm90_gmma.hpp>  // the wgmma.mma_async PTX wrappers (no CuTe layouts)
+
 namespace stackfuse {
 namespace hopper {
 namespace short_seq {
 
-constexpr int kHeadDim = 64;   // tile head dim: 8 chunks of 16 bytes per row
-constexpr int kMaxKeys = 128;  // keys held in shared memory
+constexpr int kHeadDim = 64;  // tile head dim: 8 chunks of 16 bytes (one 128-byte swizzle row)
 constexpr int kChunks = kHeadDim / 8;
-// kWarps warps of 16 query rows each per CTA: 4 (64 rows, 3-4 CTAs per SM) or 8 (128 rows,
-// K/V read once per head, 2 CTAs per SM); at most 48 KB of shared memory either way
-template <int kWarps>
+constexpr int kRows = 64;  // query rows per CTA: one warpgroup, 16 rows per warp
+constexpr int kThreads = 128;
+
+// Q (64 rows), K and V (kKeys rows each), 128 bytes per row; every tile a multiple of 1024 bytes
+template <int kKeys>
 constexpr int smem_bytes() {
-  return (16 * kWarps + 2 * kMaxKeys) * kHeadDim * 2;
+  return (kRows + 2 * kKeys) * kHeadDim * 2;
 }
 
 struct Params {
@@ -43,45 +48,14 @@ struct Params {
   int causal_offset;  // key k is visible to row q iff k <= q + causal_offset (causal only)
 };
 
-// 16-byte chunk c of row r lives at chunk (c ^ (r & 7)): ldmatrix's 8 rows hit 8 bank groups
+// 16-byte chunk c of row r lives at chunk (c ^ (r & 7)): the 128-byte swizzle that wgmma's
+// SWIZZLE_128B descriptors expect (CuTe's Layout_{K,MN}_SW128_Atom), tile base 1024-aligned
 __device__ __forceinline__ int swz(int row, int chunk) { return row * kChunks + (chunk ^ (row & 7)); }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* smem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* smem) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-template <class T>
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 }
 
 template <class T>
@@ -95,18 +69,107 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   }
 }
 
-// grid: (ceil(seq_q / (16 kWarps)), q heads, batch); block: 32 kWarps threads; dynamic smem
-// smem_bytes<kWarps>(). Loads: Q and K as one cp.async group, V as a second one, so V is in
-// flight while Q K^T and the softmax run. The output goes through this warp's Q rows in shared
-// memory (no other warp reads them) and leaves as coalesced 16-byte stores.
-template <class T, bool kCausal, int kWarps>
-__global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 3 : 2) kernel(Params const p) {
-  constexpr int kRows = 16 * kWarps;
-  constexpr int kThreads = 32 * kWarps;
-  extern __shared__ uint4 smem[];
+// One MUFU.EX2, no subnormal fix-ups: the arguments are <= 0 and a probability below 2^-126 is
+// zero in fp16/bf16 P anyway.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Shared-memory matrix descriptor of a swz() tile. Fields as CuTe's make_gmma_desc computes them
+// for Layout_{K,MN}_SW128_Atom (checked on the host): stride byte offset 1024 (8 rows), leading
+// byte offset 1 (K-major; unused) or 0 (MN-major, one 64-element block), layout type 1
+// (SWIZZLE_128B). Advancing 16 elements along K adds 32 bytes (K-major: Q, K) or 16 rows =
+// 2048 bytes (MN-major: V) to the start address, in 16-byte units.
+__device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint64_t lbo) {
+  uint64_t const addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return ((addr & 0x3FFFF) >> 4) | (lbo << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// Keep the compiler from moving register reads/writes across an in-flight wgmma
+__device__ __forceinline__ void fence_f(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_u(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// cp.async writes shared memory through the generic proxy; wgmma reads it through the async one
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// S += Q K^T, 64 x N x 16 with N = 2 * sizeof...(I) keys (128 or 256), both operands K-major
+template <class T, size_t... I>
+__device__ __forceinline__ void gmma_qk(uint64_t da, uint64_t db, float* d,
+                                        std::index_sequence<I...>) {
+  namespace G = cute::SM90::GMMA;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (sizeof...(I) == 64) {
+    if constexpr (kBf16) {
+      G::MMA_64x128x16_F32BF16BF16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
+    } else {
+      G::MMA_64x128x16_F32F16F16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
+    }
+  } else {
+    static_assert(sizeof...(I) == 128, "128 or 256 keys");
+    if constexpr (kBf16) {
+      G::MMA_64x256x16_F32BF16BF16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
+    } else {
+      G::MMA_64x256x16_F32F16F16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
+    }
+  }
+}
+
+// O += P V, 64 x 64 x 16: P from registers, V MN-major (head dim contiguous) in shared memory
+template <class T, size_t... I>
+__device__ __forceinline__ void gmma_pv(uint32_t const (&a)[4], uint64_t db, float* d,
+                                        std::index_sequence<I...>) {
+  namespace G = cute::SM90::GMMA;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    G::MMA_64x64x16_F32BF16BF16_RS<G::Major::K, G::Major::MN>::fma(a[0], a[1], a[2], a[3], db,
+                                                                   d[I]...);
+  } else {
+    G::MMA_64x64x16_F32F16F16_RS<G::Major::K, G::Major::MN>::fma(a[0], a[1], a[2], a[3], db,
+                                                                 d[I]...);
+  }
+}
+
+// Q's 64 rows and every key of one head into swizzled shared memory as two cp.async groups (Q
+// and K, then V); columns past head_dim and rows past the ends are zero-filled.
+template <class T, int kKeys>
+__device__ __forceinline__ void load_qkv(uint4* sQ, uint4* sK, uint4* sV, const T* q, const T* k,
+                                         const T* v, Params const& p, int q_rows, int tid) {
+  int const d_chunks = p.head_dim / 8;
+  for (int i = tid; i < kRows * kChunks; i += kThreads) {
+    int const r = i / kChunks, c = i % kChunks;
+    bool const ok = r < q_rows && c < d_chunks;
+    cp_async16(&sQ[swz(r, c)], ok ? q + r * p.q_row + c * 8 : q, ok);
+  }
+  for (int i = tid; i < kKeys * kChunks; i += kThreads) {
+    int const r = i / kChunks, c = i % kChunks;
+    bool const ok = r < p.seq_kv && c < d_chunks;
+    cp_async16(&sK[swz(r, c)], ok ? k + r * p.k_row + c * 8 : k, ok);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  for (int i = tid; i < kKeys * kChunks; i += kThreads) {
+    int const r = i / kChunks, c = i % kChunks;
+    bool const ok = r < p.seq_kv && c < d_chunks;
+    cp_async16(&sV[swz(r, c)], ok ? v + r * p.v_row + c * 8 : v, ok);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
+// V is in flight while Q K^T and the softmax run. Each warp's accumulators hold rows
+// 16 w + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1): the layout of mma.sync's C, which is
+// also the A-operand layout of the P V wgmma, so P never leaves registers. The output goes
+// through this warp's own Q rows in shared memory and leaves as coalesced 16-byte stores.
+// Registers: ~96 at 128 keys (5 CTAs per SM, as many as the shared memory allows), ~168 at 256.
+template <class T, bool kCausal, int kKeys>
+__global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 2) kernel(Params const p) {
+  extern __shared__ __align__(1024) uint4 smem[];
   uint4* sQ = smem;
   uint4* sK = sQ + kRows * kChunks;
-  uint4* sV = sK + kMaxKeys * kChunks;
+  uint4* sV = sK + kKeys * kChunks;
+  constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
 
   int const m0 = blockIdx.x * kRows;
   int const h = blockIdx.y, b = blockIdx.z;
@@ -115,62 +178,54 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 3 : 2) kernel(Param
   auto const* q = static_cast<const T*>(p.q) + b * p.q_batch + h * p.q_head + m0 * p.q_row;
   auto const* k = static_cast<const T*>(p.k) + b * p.k_batch + kv * p.k_head;
   auto const* v = static_cast<const T*>(p.v) + b * p.v_batch + kv * p.v_head;
-  int const q_rows = min(kRows, p.seq_q - m0);
-  int const d_chunks = p.head_dim / 8;  // columns past head_dim are zero-filled
+  int const d_chunks = p.head_dim / 8;
 
-  for (int i = tid; i < kRows * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < q_rows && c < d_chunks;
-    cp_async16(&sQ[swz(r, c)], ok ? q + r * p.q_row + c * 8 : q, ok);
-  }
-  for (int i = tid; i < kMaxKeys * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < p.seq_kv && c < d_chunks;
-    cp_async16(&sK[swz(r, c)], ok ? k + r * p.k_row + c * 8 : k, ok);
-  }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-  for (int i = tid; i < kMaxKeys * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < p.seq_kv && c < d_chunks;
-    cp_async16(&sV[swz(r, c)], ok ? v + r * p.v_row + c * 8 : v, ok);
-  }
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;\n" ::: "memory");
+  load_qkv<T, kKeys>(sQ, sK, sV, q, k, v, p, min(kRows, p.seq_q - m0), tid);
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  fence_async_shared();
   __syncthreads();
 
-  // S = Q K^T for this warp's 16 rows and all 128 keys (16 n-tiles of 8 keys)
-  uint32_t qf[4][4];
-  for (int ks = 0; ks < 4; ++ks) {
-    ldsm_x4(qf[ks], &sQ[swz(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, ks * 2 + (lane >> 4))]);
-  }
-  float s[16][4];
+  // S = Q K^T: 64 rows x kKeys keys, four k-steps of 16 over the head dim
+  float s[kN][4];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  for (int j = 0; j < kN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  {
+    uint64_t const dq = sw128_desc(sQ, 1);
+    uint64_t const dk = sw128_desc(sK, 1);
 #pragma unroll
-  for (int n2 = 0; n2 < 8; ++n2) {
+    for (int j = 0; j < 4 * kN; ++j) fence_f(s[j / 4][j % 4]);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      uint32_t kb[4];
-      ldsm_x4(kb, &sK[swz(n2 * 16 + (lane & 7) + (lane >> 4) * 8, ks * 2 + ((lane >> 3) & 1))]);
-      mma<T>(s[2 * n2], qf[ks], kb[0], kb[1]);
-      mma<T>(s[2 * n2 + 1], qf[ks], kb[2], kb[3]);
+      gmma_qk<T>(dq + 2 * ks, dk + 2 * ks, &s[0][0], std::make_index_sequence<4 * kN>{});
     }
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
+                     : "memory");
+#pragma unroll
+    for (int j = 0; j < 4 * kN; ++j) fence_f(s[j / 4][j % 4]);
   }
 
   // mask, softmax over the whole key range (rows r0 and r0 + 8 of this thread)
   int const r0 = m0 + warp * 16 + (lane >> 2);
   int const c0 = (lane & 3) * 2;
+  if (kCausal || p.seq_kv < kKeys) {  // uniform: a full non-causal key tile needs no mask
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int const col = j * 8 + c0 + (e & 1);
+        int const row = r0 + (e >> 1) * 8;
+        bool masked = col >= p.seq_kv;
+        if constexpr (kCausal) masked = masked || col > row + p.causal_offset;
+        if (masked) s[j][e] = -INFINITY;
+      }
+    }
+  }
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kN; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int const col = j * 8 + c0 + (e & 1);
-      int const row = r0 + (e >> 1) * 8;
-      bool masked = col >= p.seq_kv;
-      if constexpr (kCausal) masked = masked || col > row + p.causal_offset;
-      if (masked) s[j][e] = -INFINITY;
-      mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-    }
+    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
   }
   float sum[2] = {0.f, 0.f};
 #pragma unroll
@@ -180,10 +235,10 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 3 : 2) kernel(Param
     mx[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;  // a row with no key: zeros
   }
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kN; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[j][e] = exp2f(s[j][e] * p.scale_log2 - mx[e >> 1]);
+      s[j][e] = exp2_ftz(s[j][e] * p.scale_log2 - mx[e >> 1]);
       sum[e >> 1] += s[j][e];
     }
   }
@@ -195,24 +250,39 @@ __global__ void __launch_bounds__(32 * kWarps, kWarps == 4 ? 3 : 2) kernel(Param
   }
 
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  fence_async_shared();
   __syncthreads();
 
-  // O = P V: P's accumulator layout is the A operand of the next mma (two n-tiles = k 16)
+  // O = P V: two n-tiles of P (16 keys) are one A fragment; all of them stay live (fenced)
+  // until the wgmma group has completed
   float o[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  {
+    uint32_t pa[kN / 2][4];
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    uint32_t a[4] = {pack<T>(s[2 * kk][0], s[2 * kk][1]), pack<T>(s[2 * kk][2], s[2 * kk][3]),
-                     pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                     pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-    for (int d2 = 0; d2 < 4; ++d2) {
-      uint32_t vb[4];
-      ldsm_x4_t(vb, &sV[swz(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, d2 * 2 + (lane >> 4))]);
-      mma<T>(o[2 * d2], a, vb[0], vb[1]);
-      mma<T>(o[2 * d2 + 1], a, vb[2], vb[3]);
+    for (int kk = 0; kk < kN / 2; ++kk) {
+      pa[kk][0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
+    uint64_t const dv = sw128_desc(sV, 0);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) fence_f(o[j / 4][j % 4]);
+#pragma unroll
+    for (int j = 0; j < 2 * kN; ++j) fence_u(pa[j / 4][j % 4]);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < kN / 2; ++kk) {
+      gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
+                     : "memory");
+#pragma unroll
+    for (int j = 0; j < 32; ++j) fence_f(o[j / 4][j % 4]);
+#pragma unroll
+    for (int j = 0; j < 2 * kN; ++j) fence_u(pa[j / 4][j % 4]);
   }
 
   // this warp's 16 output rows into its own (already consumed) Q rows, then 16-byte stores
