@@ -42,9 +42,11 @@ SHAPES: list[dict[str, Any]] = [
     {"name": "bert_base_b32_s128_n12_h64", "b": 32, "s": 128, "n": 12, "h": 64},
     {"name": "b4_s128_n12_h64", "b": 4, "s": 128, "n": 12, "h": 64},
     {"name": "b8_s2048_q32_kv8_h128_gqa", "b": 8, "s": 2048, "n": 32, "h": 128, "n_kv": 8},
+    {"name": "b32_s256_q16_kv4_h64_gqa", "b": 32, "s": 256, "n": 16, "h": 64, "n_kv": 4},
+    {"name": "b16_s256_n12_h64", "b": 16, "s": 256, "n": 12, "h": 64},
 ]
 
-WAYS = {
+WAYS: dict[str, dict[str, Any]] = {
     "stackfuse": {"kernel": "auto"},
     "stackfuse_sm80": {"kernel": "sm80"},
     "tvm_unfused": {"fuse_stacked": False, "offload_plain": False},

@@ -154,6 +154,20 @@ CASES: list[Case] = [
     ),
     # a tiny launch with every key in one tile: the selector's short-sequence kernel, GQA 16/4
     Case("split_fp16_gqa_q16_kv4_tiny_s100_h64", "stacked", 2, 100, 16, 64, 64, {"n_kv": 4}),
+    # 129-256 keys, a "small" launch: the 256-key short-sequence kernel; and its causal sibling
+    # (ping-pong past 128 keys), bf16 at BERT-base size (the 128-key one)
+    Case("split_fp16_s200_h64", "stacked", 16, 200, 12, 64, 64),
+    Case("split_fp16_s200_h64_causal", "stacked", 16, 200, 12, 64, 64, {"causal": "TopLeft"}),
+    Case(
+        "bert_base_bf16_causal",
+        "stacked",
+        32,
+        128,
+        12,
+        64,
+        64,
+        {"dtype": "bfloat16", "causal": "BottomRight"},
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -170,6 +184,9 @@ HOPPER_CASES = (
     "split_fp16_gqa_q16_kv4_causal_h64",
     "split_bf16_mqa_q16_kv1",
     "split_fp16_gqa_q16_kv4_tiny_s100_h64",
+    "split_fp16_s200_h64",
+    "split_fp16_s200_h64_causal",
+    "bert_base_bf16_causal",
 )
 
 
@@ -181,8 +198,14 @@ def module_for(case: Case) -> Any:
 
     if case.kind == "plain":
         return attention_module(
-            case.b, case.s, case.s_kv or case.s, case.n, case.h, case.hv, **case.module
-        )  # type: ignore[arg-type]
+            case.b,  # type: ignore[arg-type]
+            case.s,
+            case.s_kv or case.s,
+            case.n,
+            case.h,
+            case.hv,
+            **case.module,
+        )
     return stacked_attention_module(case.b, case.s, case.n, case.h, case.hv, **case.module)
 
 
@@ -316,7 +339,8 @@ def reference(case: Case, inputs: list[Any]) -> list[Any]:
 
 def _inputs(case: Case, torch: Any, dev: str) -> list[Any]:
     dt = getattr(torch, case.module.get("dtype", "float16"))
-    b = case.run_batch if isinstance(case.b, str) else case.b
+    b = case.b if isinstance(case.b, int) else case.run_batch
+    assert b is not None, "a symbolic batch needs run_batch"
     g = torch.Generator(device=dev).manual_seed(hash(case.name) % 2**31)
 
     def rnd(*shape: int) -> Any:

@@ -133,12 +133,13 @@ def catalog() -> list[Slot]:
     add(b16, "coop_128x64", "none@32", _HEADS_32)
     add(b16, "coop_128x64", "none@256", _HEADS_256)
     # our short-sequence kernel (wgmma; at most 128 or 256 keys, numerics within that only)
+    gqa = (16, 4, 64)
     for w in ("shortw_64x128", "shortw_64x256"):
-        add(f16, w, "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
-        add(f16, w, "TopLeft@64", [(12, 12, 64), (16, 4, 64)], [(16, 4, 64)])
-        add(f16, w, "BottomRight@64", [], [(16, 4, 64)])
-        add(b16, w, "none@64", [(12, 12, 64), (16, 4, 64)], [(16, 4, 64)])
-        add(b16, w, "TopLeft@64", [(16, 4, 64)])
+        add(f16, w, "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
+        add(f16, w, "TopLeft@64", [(12, 12, 64), gqa], [gqa])
+        add(f16, w, "BottomRight@64", [], [gqa])
+        add(b16, w, "none@64", [(12, 12, 64), gqa], [gqa])
+        add(b16, w, "TopLeft@64", [gqa])
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
@@ -189,12 +190,12 @@ def _spec_for(slot: Slot) -> Any:
     h, nq, nkv = slot.head_dim, slot.nq, slot.nkv
     if slot.kind == "stacked":
         return stacked_spec(
-            dtype=slot.dtype,
+            dtype=slot.dtype,  # type: ignore[arg-type]
             nq=nq,
             nkv=nkv,
-            h=h,  # type: ignore[arg-type]
-            causal=slot.causal,
-        )  # type: ignore[arg-type]
+            h=h,
+            causal=slot.causal,  # type: ignore[arg-type]
+        )
     cq, ckv = nq * h, 2 * nkv * h
     return AttentionSpec(
         dtype=slot.dtype,  # type: ignore[arg-type]

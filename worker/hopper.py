@@ -171,7 +171,8 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (64, False, "tiny"): ("shortw_64x128", "tma_64x128"),
     # B4 S128 N12 causal: shortw_64x128 3.9 us vs pingpong_128x128 5.6 (cuDNN 5.1; run 9)
     (64, True, "tiny"): ("shortw_64x128", "pingpong_128x128"),
-    (128, False, "large"): "pingpong_128x128",  # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610
+    # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610; GQA 32/8 954 us vs coop 983 (run 10)
+    (128, False, "large"): "pingpong_128x128",
     (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 / 544 (serpentine)
     (128, False, "small"): "pingpong_128x128",  # B16 S256 N16: 25.8 us vs coop 34.0 (run 8)
     (128, True, "small"): "pingpong_128x128",  # B16 S256 N16 causal: 25.1 vs coop 32.2
@@ -185,12 +186,12 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (256, True, "tiny"): "coop_128x64",
 }
 
-#: GQA/MQA (Nq > Nkv) classes where another variant wins (run 3, one launch per group):
-#: B8 S2048 Nq32 Nkv8 H128: coop_128x128 631 TFLOP/s vs pingpong_128x128 578. At 129-256 keys
-#: a 64-row CTA re-reads its group's K/V once per query head and block: B32 S256 GQA 16/4
-#: shortw_64x256 36.3 us vs pingpong_128x128 32.8 (run 9), so ping-pong past 128 keys.
+#: GQA/MQA (Nq > Nkv) classes where another variant wins. At 129-256 keys a 64-row CTA re-reads
+#: its group's K/V once per query head and block: B32 S256 GQA 16/4 shortw_64x256 36.0 us vs
+#: pingpong_128x128 32.9 (run 9), so ping-pong past 128 keys. (B8 S2048 Nq32 Nkv8 H128 took
+#: coop_128x128 from run 3's best-of-two passes, 631 vs 578 TFLOP/s; the medians of runs 7 and
+#: 10 say ping-pong: 957 vs 984 us and 954 vs 983 us, so that class follows SELECTION again.)
 SELECTION_GROUPED: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
-    (128, False, "large"): "coop_128x128",
     (64, False, "small"): ("shortw_64x128", "pingpong_128x128"),
 }
 

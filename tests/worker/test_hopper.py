@@ -187,8 +187,8 @@ def test_shape_classes_follow_the_measurements() -> None:
         "pingpong_128x128"
     )
     assert hopper.variants(stacked(batch=32, seq=128, nq=16, nkv=4, h=64))[0] == "shortw_64x128"
-    # GQA at long sequences: the cooperative kernel (631 vs 578 TFLOP/s), MHA: ping-pong
-    assert hopper.variants(stacked(nq=32, nkv=8))[0] == "coop_128x128"
+    # GQA at long sequences: ping-pong too (954 vs 983 us for the cooperative kernel, run 10)
+    assert hopper.variants(stacked(nq=32, nkv=8))[0] == "pingpong_128x128"
     assert hopper.variants(stacked(nq=32, nkv=32))[0] == "pingpong_128x128"
     assert hopper.variants(stacked(nq=32, nkv=8, causal="TopLeft"))[0] == "pingpong_128x128"
     # dynamic shapes count as large

@@ -62,7 +62,7 @@ inline const char* status_text(Status s) {
     case Status::kLaunch: return "kernel launch failed";
     case Status::kDevice: return "cannot query the CUDA device";
     case Status::kTooManyKeys:
-      return "more than 128 keys for the short-sequence kernel (compiled for at most 128)";
+      return "more keys than the short-sequence kernel holds (compiled for at most 128 or 256)";
     case Status::kGridOverflow: return "more than 65535 heads or batch entries in one launch";
   }
   return "unknown";
