@@ -357,7 +357,6 @@ struct Compose<Element, TileShape, Fusion, ShortSeq, kCausal, Options...> {
   using Kernel = void;
 };
 
-
 }  // namespace detail
 
 // One forward configuration: element type, tile (BlockQ x BlockKV x HeadDim), schedule, mask.
