@@ -17,7 +17,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cute/arch/mma_sm90_gmma.hpp>  // the wgmma.mma_async PTX wrappers (no CuTe layouts)
+#include <cute/arch/mma_sm90_gmma.hpp>  // wgmma.mma_async wrappers and fences (no CuTe layouts)
 
 namespace stackfuse {
 namespace hopper {
@@ -86,10 +86,6 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* smem, uint64_t lbo) {
   uint64_t const addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   return ((addr & 0x3FFFF) >> 4) | (lbo << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
-
-// Keep the compiler from moving register reads/writes across an in-flight wgmma
-__device__ __forceinline__ void fence_f(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void fence_u(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // cp.async writes shared memory through the generic proxy; wgmma reads it through the async one
 __device__ __forceinline__ void fence_async_shared() {
@@ -193,16 +189,16 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 2) kernel(Params 
     uint64_t const dq = sw128_desc(sQ, 1);
     uint64_t const dk = sw128_desc(sK, 1);
 #pragma unroll
-    for (int j = 0; j < 4 * kN; ++j) fence_f(s[j / 4][j % 4]);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
+    cute::warpgroup_arrive();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       gmma_qk<T>(dq + 2 * ks, dk + 2 * ks, &s[0][0], std::make_index_sequence<4 * kN>{});
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
-                     : "memory");
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
 #pragma unroll
-    for (int j = 0; j < 4 * kN; ++j) fence_f(s[j / 4][j % 4]);
+    for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
   }
 
   // mask, softmax over the whole key range (rows r0 and r0 + 8 of this thread)
@@ -269,20 +265,20 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 2) kernel(Params 
     }
     uint64_t const dv = sw128_desc(sV, 0);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) fence_f(o[j / 4][j % 4]);
+    for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
 #pragma unroll
-    for (int j = 0; j < 2 * kN; ++j) fence_u(pa[j / 4][j % 4]);
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
+    cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < kN / 2; ++kk) {
       gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
     }
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::
-                     : "memory");
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
 #pragma unroll
-    for (int j = 0; j < 32; ++j) fence_f(o[j / 4][j % 4]);
+    for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
 #pragma unroll
-    for (int j = 0; j < 2 * kN; ++j) fence_u(pa[j / 4][j % 4]);
+    for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
   }
 
   // this warp's 16 output rows into its own (already consumed) Q rows, then 16-byte stores
