@@ -128,28 +128,28 @@ __device__ __forceinline__ void gmma_pv(uint32_t const (&a)[4], uint64_t db, flo
   }
 }
 
+// kTileRows rows of one operand (row stride `stride` elements) into a swz() tile by cp.async;
+// rows from `rows` on and columns from `d_chunks` on are zero-filled, nothing read for them.
+template <int kTileRows, class T>
+__device__ __forceinline__ void load_tile(uint4* dst, const T* src, int64_t stride, int rows,
+                                          int d_chunks, int tid) {
+  for (int i = tid; i < kTileRows * kChunks; i += kThreads) {
+    int const r = i / kChunks, c = i % kChunks;
+    bool const ok = r < rows && c < d_chunks;
+    cp_async16(&dst[swz(r, c)], ok ? src + r * stride + c * 8 : src, ok);
+  }
+}
+
 // Q's 64 rows and every key of one head into swizzled shared memory as two cp.async groups (Q
 // and K, then V); columns past head_dim and rows past the ends are zero-filled.
 template <class T, int kKeys>
 __device__ __forceinline__ void load_qkv(uint4* sQ, uint4* sK, uint4* sV, const T* q, const T* k,
                                          const T* v, Params const& p, int q_rows, int tid) {
   int const d_chunks = p.head_dim / 8;
-  for (int i = tid; i < kRows * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < q_rows && c < d_chunks;
-    cp_async16(&sQ[swz(r, c)], ok ? q + r * p.q_row + c * 8 : q, ok);
-  }
-  for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < p.seq_kv && c < d_chunks;
-    cp_async16(&sK[swz(r, c)], ok ? k + r * p.k_row + c * 8 : k, ok);
-  }
+  load_tile<kRows>(sQ, q, p.q_row, q_rows, d_chunks, tid);
+  load_tile<kKeys>(sK, k, p.k_row, p.seq_kv, d_chunks, tid);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
-  for (int i = tid; i < kKeys * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < p.seq_kv && c < d_chunks;
-    cp_async16(&sV[swz(r, c)], ok ? v + r * p.v_row + c * 8 : v, ok);
-  }
+  load_tile<kKeys>(sV, v, p.v_row, p.seq_kv, d_chunks, tid);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
