@@ -328,6 +328,10 @@ def to_markdown(doc: dict[str, Any]) -> str:
             "column is TVM alone. Differences under ~5% are within run-to-run noise (the same",
             "kernel measured 645 and 609 TFLOP/s in two sessions).",
         ]
+    runs = [(r["shape"], r["run"]) for r in doc["rows"] if r.get("run")]
+    if runs:  # a table merged from several runs (`markdown`): say which row came from which
+        lines += ["", "Rows from more than one run (each row's ways side by side in one run):"]
+        lines += [f"- {shape}: {run}" for shape, run in runs]
     return "\n".join(lines) + "\n"
 
 

@@ -168,6 +168,10 @@ CASES: list[Case] = [
         64,
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
+    # session 6: GQA 16/4 at 129-256 keys on the 256-key kernel (ping-pong before), and a tiny
+    # launch of 256 keys (the 64-row TMA kernel before)
+    Case("split_fp16_gqa_q16_kv4_s200_h64", "stacked", 16, 200, 16, 64, 64, {"n_kv": 4}),
+    Case("split_fp16_tiny_s256_h64", "stacked", 1, 256, 12, 64, 64),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -187,6 +191,8 @@ HOPPER_CASES = (
     "split_fp16_s200_h64",
     "split_fp16_s200_h64_causal",
     "bert_base_bf16_causal",
+    "split_fp16_gqa_q16_kv4_s200_h64",
+    "split_fp16_tiny_s256_h64",
 )
 
 

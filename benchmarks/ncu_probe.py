@@ -18,20 +18,29 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hopper_kernel import BENCH_SHAPES, LIB_NAME, _bench_slots, _setup_runtime
+from hopper_kernel import (
+    BENCH_SHAPES,
+    LIB_NAME,
+    SHORT_SHAPES,
+    SWEEP_SHAPES,
+    _bench_slots,
+    _setup_runtime,
+)
+
+ALL_SHAPES = {s[0]: s for s in (*BENCH_SHAPES, *SWEEP_SHAPES, *SHORT_SHAPES)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", type=Path, required=True)
-    ap.add_argument("--shape", required=True, choices=[s[0] for s in BENCH_SHAPES])
+    ap.add_argument("--shape", required=True, choices=sorted(ALL_SHAPES))
     ap.add_argument("--variant", action="append", required=True)
     args = ap.parse_args()
     torch, tvm_ffi = _setup_runtime()
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    shape = next(s for s in BENCH_SHAPES if s[0] == args.shape)
+    shape = ALL_SHAPES[args.shape]
     _name, b, s, nq, nkv, h, causal, dtype = shape
     manifest = json.loads((args.dir / "manifest.json").read_text())
     mod = tvm_ffi.load_module(str(args.dir / LIB_NAME))

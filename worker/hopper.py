@@ -161,14 +161,16 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (32, True, "tiny"): "coop_128x64",  # unmeasured
     (64, False, "large"): "pingpong3_192x128",  # B2 S8192 N16: 453 / 441 / 432 (coop3 445 in 3)
     (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 / 344 (pingpong3 315)
-    # Our wgmma short-sequence kernel where every key fits (run 9, kernel time, medians of 5):
-    # BERT B32 S128 N12 10.8 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
-    # 14.9 vs 15.5 (cuDNN 13.4). GQA at 256 keys: SELECTION_GROUPED.
+    # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
+    # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
+    # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9)
     (64, False, "small"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
-    # B32 S128 N12 causal: shortw_64x128 11.6 us vs pingpong_128x128 12.3 (cuDNN 11.2; run 9)
+    # B32 S128 N12 causal: shortw_64x128 10.2 us vs pingpong_128x128 12.3 (cuDNN 11.3); at 256
+    # keys (B16 S256 N12 causal) shortw_64x256 ties ping-pong, 15.2 us each (cuDNN 14.0; run 18)
     (64, True, "small"): ("shortw_64x128", "pingpong_128x128"),
-    # B4 S128 N12: shortw_64x128 3.8 us vs tma_64x128 4.2, pingpong_128x128 5.5 (cuDNN 4.8; run 9)
-    (64, False, "tiny"): ("shortw_64x128", "tma_64x128"),
+    # B4 S128 N12: shortw_64x128 3.4 us vs tma_64x128 4.2, pingpong_128x128 5.4 (cuDNN 4.8);
+    # B2 S256 N12: shortw_64x256 4.4 vs tma_64x128 5.4 (cuDNN 5.9; run 18)
+    (64, False, "tiny"): ("shortw_64x128", "shortw_64x256", "tma_64x128"),
     # B4 S128 N12 causal: shortw_64x128 3.9 us vs pingpong_128x128 5.6 (cuDNN 5.1; run 9)
     (64, True, "tiny"): ("shortw_64x128", "pingpong_128x128"),
     # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610; GQA 32/8 954 us vs coop 983 (run 10)
@@ -186,14 +188,13 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (256, True, "tiny"): "coop_128x64",
 }
 
-#: GQA/MQA (Nq > Nkv) classes where another variant wins. At 129-256 keys a 64-row CTA re-reads
-#: its group's K/V once per query head and block: B32 S256 GQA 16/4 shortw_64x256 36.0 us vs
-#: pingpong_128x128 32.9 (run 9), so ping-pong past 128 keys. (B8 S2048 Nq32 Nkv8 H128 took
-#: coop_128x128 from run 3's best-of-two passes, 631 vs 578 TFLOP/s; the medians of runs 7 and
-#: 10 say ping-pong: 957 vs 984 us and 954 vs 983 us, so that class follows SELECTION again.)
-SELECTION_GROUPED: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
-    (64, False, "small"): ("shortw_64x128", "pingpong_128x128"),
-}
+#: GQA/MQA (Nq > Nkv) classes where another variant wins; none since session 6. (At 129-256 keys
+#: a 64-row CTA re-reads its group's K/V once per query head and block, and ping-pong won B32
+#: S256 GQA 16/4 until the short kernel's loads lost their per-copy address arithmetic: run 18,
+#: shortw_64x256 29.0 us vs pingpong_128x128 32.9. B8 S2048 Nq32 Nkv8 H128 took coop_128x128
+#: from run 3's best-of-two passes; the medians of runs 7 and 10 say ping-pong: 957 vs 984 us
+#: and 954 vs 983 us.)
+SELECTION_GROUPED: dict[tuple[int, bool, str], str | tuple[str, ...]] = {}
 
 #: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)
 TINY_CTAS = 132

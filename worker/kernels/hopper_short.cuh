@@ -2,10 +2,12 @@
 // 256) in shared memory, one CTA of one warpgroup per 64 query rows of one (batch, head).
 // Why: at one or two key tiles per CTA (BERT-base: S 128) the example's TMA/warp-specialized
 // kernels pay fixed costs per CTA (barriers, descriptor prefetch, a producer warpgroup) and hold
-// one 128-row tile per SM; this kernel is small (96 registers and 41 KB at 128 keys), so five
+// one 128-row tile per SM; this kernel is small (96 registers and 42 KB at 128 keys), so five
 // CTAs share an SM and most loads of the launch are in flight at once. No online softmax: the
-// whole key range is one tile. Both products run on wgmma (an mma.sync version of this kernel,
-// session 4, was bound by its tensor-core rate: 13.4 us at BERT-base against 10.8 here).
+// whole key range is one tile. Both products (and the row sums) run on wgmma (an mma.sync
+// version, session 4, was bound by its tensor-core rate: 13.4 us at BERT-base). What bounds it
+// now is instruction issue (ncu, session 6), so every per-element step is kept to a minimum:
+// 9.5 us at BERT-base.
 #pragma once
 
 #include <cmath>
@@ -28,10 +30,13 @@ constexpr int kChunks = kHeadDim / 8;
 constexpr int kRows = 64;  // query rows per CTA: one warpgroup, 16 rows per warp
 constexpr int kThreads = 128;
 
-// Q (64 rows), K and V (kKeys rows each), 128 bytes per row; every tile a multiple of 1024 bytes
+constexpr int kOnesBytes = 1024;  // a tile of ones: the B operand of the row-sum wgmma
+
+// Q (64 rows), K and V (kKeys rows each), 128 bytes per row, then the ones; every tile a
+// multiple of 1024 bytes
 template <int kKeys>
 constexpr int smem_bytes() {
-  return (kRows + 2 * kKeys) * kHeadDim * 2;
+  return (kRows + 2 * kKeys) * kHeadDim * 2 + kOnesBytes;
 }
 
 struct Params {
@@ -128,180 +133,285 @@ __device__ __forceinline__ void gmma_pv(uint32_t const (&a)[4], uint64_t db, flo
   }
 }
 
+// Row sums of P as a product, l += P 1 (64 x 8 x 16, every column the row sum): B is any 16 x 8
+// block of ones (no swizzle; the descriptor may point at the same ones for every k-step). Why:
+// adding 128 or 256 probabilities per row cost one FADD each and this kernel is bound by
+// instruction issue; the tensor core sums the rounded P that P V uses, for ~nothing.
+template <class T>
+__device__ __forceinline__ void gmma_sum(uint32_t const (&a)[4], uint64_t db, float (&l)[4]) {
+  namespace G = cute::SM90::GMMA;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    G::MMA_64x8x16_F32BF16BF16_RS<G::Major::K, G::Major::K>::fma(a[0], a[1], a[2], a[3], db,
+                                                                 l[0], l[1], l[2], l[3]);
+  } else {
+    G::MMA_64x8x16_F32F16F16_RS<G::Major::K, G::Major::K>::fma(a[0], a[1], a[2], a[3], db, l[0],
+                                                               l[1], l[2], l[3]);
+  }
+}
+
+// Descriptor of the ones tile: no swizzle (layout type 0), core matrices 128 bytes apart along
+// K (leading byte offset) and 256 apart along N (stride byte offset): the first 256 bytes
+__device__ __forceinline__ uint64_t ones_desc(const void* smem) {
+  uint64_t const addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(128 >> 4) << 16) | (uint64_t(256 >> 4) << 32);
+}
+
+// The ones tile, written by the whole CTA (visible to wgmma after the next land())
+template <class T>
+__device__ __forceinline__ void fill_ones(uint4* ones, int tid) {
+  static_assert(kOnesBytes == kThreads * 8, "8 bytes per thread");
+  uint32_t const one = pack<T>(1.f, 1.f);
+  reinterpret_cast<uint2*>(ones)[tid] = make_uint2(one, one);
+}
+
 // kTileRows rows of one operand (row stride `stride` elements) into a swz() tile by cp.async;
 // rows from `rows` on and columns from `d_chunks` on are zero-filled, nothing read for them.
+// Thread t copies chunk t % 8 of rows t / 8 + 16 k: its swizzled column and its source step are
+// the same for every k, so each copy costs a compare, a select and a pointer add (written as
+// i / 8, i % 8 per copy, address arithmetic was a third of the 256-key kernel's instructions).
 template <int kTileRows, class T>
 __device__ __forceinline__ void load_tile(uint4* dst, const T* src, int64_t stride, int rows,
                                           int d_chunks, int tid) {
-  for (int i = tid; i < kTileRows * kChunks; i += kThreads) {
-    int const r = i / kChunks, c = i % kChunks;
-    bool const ok = r < rows && c < d_chunks;
-    cp_async16(&dst[swz(r, c)], ok ? src + r * stride + c * 8 : src, ok);
+  constexpr int kPass = kThreads / kChunks;  // rows per pass of the CTA: 16
+  static_assert(kTileRows % kPass == 0 && kPass % 8 == 0, "the swizzle repeats every 8 rows");
+  int const r = tid / kChunks, c = tid % kChunks;
+  uint4* d = dst + swz(r, c);  // row r + 16 k: the same chunk, 16 k rows further
+  const T* g = src + r * stride + c * 8;
+  int const left = c < d_chunks ? rows - r : 0;  // rows this thread still copies
+  int64_t const step = kPass * stride;
+#pragma unroll
+  for (int k = 0; k < kTileRows / kPass; ++k) {
+    bool const ok = k * kPass < left;
+    cp_async16(d + k * kPass * kChunks, g, ok);  // src-size 0: g is not dereferenced
+    g += step;
   }
 }
 
 // Q's 64 rows and every key of one head into swizzled shared memory as two cp.async groups (Q
 // and K, then V); columns past head_dim and rows past the ends are zero-filled.
 template <class T, int kKeys>
-__device__ __forceinline__ void load_qkv(uint4* sQ, uint4* sK, uint4* sV, const T* q, const T* k,
-                                         const T* v, Params const& p, int q_rows, int tid) {
+__device__ __forceinline__ void load_qk(uint4* sQ, uint4* sK, const T* q, const T* k,
+                                        Params const& p, int q_rows, int tid) {
   int const d_chunks = p.head_dim / 8;
   load_tile<kRows>(sQ, q, p.q_row, q_rows, d_chunks, tid);
   load_tile<kKeys>(sK, k, p.k_row, p.seq_kv, d_chunks, tid);
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-  load_tile<kKeys>(sV, v, p.v_row, p.seq_kv, d_chunks, tid);
+}
+
+__device__ __forceinline__ void commit_group() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
-// V is in flight while Q K^T and the softmax run. Each warp's accumulators hold rows
-// 16 w + lane / 4 (+ 8), columns 8 j + 2 (lane % 4) (+ 1): the layout of mma.sync's C, which is
-// also the A-operand layout of the P V wgmma, so P never leaves registers. The output goes
-// through this warp's own Q rows in shared memory and leaves as coalesced 16-byte stores.
-// Registers: ~96 at 128 keys (5 CTAs per SM, as many as the shared memory allows), ~168 at 256.
-template <class T, bool kCausal, int kKeys>
-__global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 2) kernel(Params const p) {
-  extern __shared__ __align__(1024) uint4 smem[];
-  uint4* sQ = smem;
-  uint4* sK = sQ + kRows * kChunks;
-  uint4* sV = sK + kKeys * kChunks;
-  constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
+// Pointers to one work item's Q rows (block m0 of head h, batch b) and its K/V head
+template <class T>
+struct Item {
+  const T* q;
+  const T* k;
+  const T* v;
+  int m0, h, b;
 
-  int const m0 = blockIdx.x * kRows;
-  int const h = blockIdx.y, b = blockIdx.z;
-  int const kv = h / p.groups;
-  int const tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  auto const* q = static_cast<const T*>(p.q) + b * p.q_batch + h * p.q_head + m0 * p.q_row;
-  auto const* k = static_cast<const T*>(p.k) + b * p.k_batch + kv * p.k_head;
-  auto const* v = static_cast<const T*>(p.v) + b * p.v_batch + kv * p.v_head;
-  int const d_chunks = p.head_dim / 8;
+  __device__ __forceinline__ Item(Params const& p, int block, int head, int batch)
+      : m0(block * kRows), h(head), b(batch) {
+    int const kv = head / p.groups;
+    q = static_cast<const T*>(p.q) + b * p.q_batch + h * p.q_head + m0 * p.q_row;
+    k = static_cast<const T*>(p.k) + b * p.k_batch + kv * p.k_head;
+    v = static_cast<const T*>(p.v) + b * p.v_batch + kv * p.v_head;
+  }
+};
 
-  load_qkv<T, kKeys>(sQ, sK, sV, q, k, v, p, min(kRows, p.seq_q - m0), tid);
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-  fence_async_shared();
-  __syncthreads();
+// Accumulator layout of every product below: each warp holds rows 16 w + lane / 4 (+ 8),
+// columns 8 j + 2 (lane % 4) (+ 1), the layout of mma.sync's C, which is also the A-operand
+// layout of the P V wgmma, so P never leaves registers.
 
-  // S = Q K^T: 64 rows x kKeys keys, four k-steps of 16 over the head dim
-  float s[kN][4];
+// s = Q K^T over kN n-tiles of 8 keys (64 x 8 kN), four k-steps of 16 over the head dim
+template <class T, int kN>
+__device__ __forceinline__ void product_qk(uint4 const* sQ, uint4 const* sK, float (&s)[kN][4]) {
 #pragma unroll
   for (int j = 0; j < kN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  {
-    uint64_t const dq = sw128_desc(sQ, 1);
-    uint64_t const dk = sw128_desc(sK, 1);
+  uint64_t const dq = sw128_desc(sQ, 1);
+  uint64_t const dk = sw128_desc(sK, 1);
 #pragma unroll
-    for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
-    cute::warpgroup_arrive();
+  for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
+  cute::warpgroup_arrive();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      gmma_qk<T>(dq + 2 * ks, dk + 2 * ks, &s[0][0], std::make_index_sequence<4 * kN>{});
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
+  for (int ks = 0; ks < 4; ++ks) {
+    gmma_qk<T>(dq + 2 * ks, dk + 2 * ks, &s[0][0], std::make_index_sequence<4 * kN>{});
   }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
+}
 
-  // mask, softmax over the whole key range (rows r0 and r0 + 8 of this thread)
+// o += P V and l += P 1: P from the probabilities in s (two n-tiles of 8 keys are one A
+// fragment), V's kN * 8 rows MN-major in sV, ones in sOnes; the fragments stay live (fenced)
+// until the wgmma group has completed
+template <class T, int kN>
+__device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const* sV,
+                                           uint4 const* sOnes, float (&o)[8][4], float (&l)[4]) {
+  uint32_t pa[kN / 2][4];
+#pragma unroll
+  for (int kk = 0; kk < kN / 2; ++kk) {
+    pa[kk][0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
+    pa[kk][1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[kk][3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+  uint64_t const dv = sw128_desc(sV, 0);
+  uint64_t const d1 = ones_desc(sOnes);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+#pragma unroll
+  for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kk = 0; kk < kN / 2; ++kk) {
+    gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
+    gmma_sum<T>(pa[kk], d1, l);
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+#pragma unroll
+  for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
+}
+
+// Keys past seq_kv (and, causal, past row + causal_offset) to -inf; key0: this tile's first key.
+// Uniform skip: a full non-causal tile needs no mask.
+template <bool kCausal, int kN>
+__device__ __forceinline__ void mask_scores(float (&s)[kN][4], Params const& p, int m0, int key0) {
+  if (!kCausal && p.seq_kv >= key0 + 8 * kN) return;
+  int const warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int const r0 = m0 + warp * 16 + (lane >> 2);
-  int const c0 = (lane & 3) * 2;
-  if (kCausal || p.seq_kv < kKeys) {  // uniform: a full non-causal key tile needs no mask
+  int const c0 = key0 + (lane & 3) * 2;
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
+  for (int j = 0; j < kN; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int const col = j * 8 + c0 + (e & 1);
-        int const row = r0 + (e >> 1) * 8;
-        bool masked = col >= p.seq_kv;
-        if constexpr (kCausal) masked = masked || col > row + p.causal_offset;
-        if (masked) s[j][e] = -INFINITY;
-      }
+    for (int e = 0; e < 4; ++e) {
+      int const col = j * 8 + c0 + (e & 1);
+      int const row = r0 + (e >> 1) * 8;
+      bool masked = col >= p.seq_kv;
+      if constexpr (kCausal) masked = masked || col > row + p.causal_offset;
+      if (masked) s[j][e] = -INFINITY;
     }
   }
-  float mx[2] = {-INFINITY, -INFINITY};
+}
+
+// The maximum of this thread's rows (r0, r0 + 8) over the tile, across the 4 lanes of a row
+template <int kN>
+__device__ __forceinline__ void row_max(float const (&s)[kN][4], float (&mx)[2]) {
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
   }
-  float sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 1));
     mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffff, mx[i], 2));
-    mx[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;  // a row with no key: zeros
   }
+}
+
+// s <- 2^(s * scale_log2 - base) (base: a row's maximum, already scaled)
+template <int kN>
+__device__ __forceinline__ void exponentiate(float (&s)[kN][4], float const (&base)[2],
+                                             float scale_log2) {
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[j][e] = exp2_ftz(s[j][e] * p.scale_log2 - mx[e >> 1]);
-      sum[e >> 1] += s[j][e];
-    }
+    for (int e = 0; e < 4; ++e) s[j][e] = exp2_ftz(s[j][e] * scale_log2 - base[e >> 1]);
   }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    sum[i] += __shfl_xor_sync(0xffffffff, sum[i], 1);
-    sum[i] += __shfl_xor_sync(0xffffffff, sum[i], 2);
-    sum[i] = sum[i] > 0.f ? 1.f / sum[i] : 0.f;
-  }
+}
 
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  fence_async_shared();
-  __syncthreads();
-
-  // O = P V: two n-tiles of P (16 keys) are one A fragment; all of them stay live (fenced)
-  // until the wgmma group has completed
-  float o[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  {
-    uint32_t pa[kN / 2][4];
-#pragma unroll
-    for (int kk = 0; kk < kN / 2; ++kk) {
-      pa[kk][0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
-    uint64_t const dv = sw128_desc(sV, 0);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-    for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < kN / 2; ++kk) {
-      gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-    for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
-  }
-
-  // this warp's 16 output rows into its own (already consumed) Q rows, then 16-byte stores
+// O x inv (1 / row sum) into this warp's own, already consumed Q rows of sQ, then out as
+// 16-byte stores
+template <class T>
+__device__ __forceinline__ void store_out(float const (&o)[8][4], float const (&inv)[2],
+                                          uint4* sQ, Params const& p, Item<T> const& it) {
+  int const warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int const lr0 = warp * 16 + (lane >> 2);
+  int const c0 = (lane & 3) * 2;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       auto* chunk = reinterpret_cast<T*>(&sQ[swz(lr0 + i * 8, j)]);
       *reinterpret_cast<uint32_t*>(chunk + c0) =
-          pack<T>(o[j][2 * i] * sum[i], o[j][2 * i + 1] * sum[i]);
+          pack<T>(o[j][2 * i] * inv[i], o[j][2 * i + 1] * inv[i]);
     }
   }
   __syncwarp();
-  auto* out = static_cast<T*>(p.o) + b * p.o_batch + h * p.o_head;
+  int const d_chunks = p.head_dim / 8;
+  auto* out = static_cast<T*>(p.o) + it.b * p.o_batch + it.h * p.o_head;
 #pragma unroll
   for (int i = lane; i < 16 * kChunks; i += 32) {
     int const lr = i / kChunks, c = i % kChunks;
-    int const row = m0 + warp * 16 + lr;
+    int const row = it.m0 + warp * 16 + lr;
     if (row < p.seq_q && c < d_chunks) {
       *reinterpret_cast<uint4*>(out + row * p.o_row + c * 8) = sQ[swz(warp * 16 + lr, c)];
     }
   }
+}
+
+// One work item whose Q and K have landed in sQ/sK (cp.async groups waited on, proxy fenced,
+// CTA synchronized), every key in one tile: S = Q K^T, softmax, then `wait_v` (which must make
+// sV and the ones complete and visible to wgmma), O = P V with the row sums, out.
+template <class T, bool kCausal, int kKeys, class WaitV>
+__device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* sV,
+                                       uint4 const* sOnes, Params const& p, Item<T> const& it,
+                                       WaitV&& wait_v) {
+  constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
+  float s[kN][4];
+  product_qk<T>(sQ, sK, s);
+  mask_scores<kCausal>(s, p, it.m0, 0);
+  float mx[2] = {-INFINITY, -INFINITY};
+  row_max(s, mx);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) mx[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
+  exponentiate(s, mx, p.scale_log2);
+  wait_v();
+  float o[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float l[4] = {0.f, 0.f, 0.f, 0.f};  // rows r0 and r0 + 8: l[0] and l[2]
+  product_pv<T>(s, sV, sOnes, o, l);
+  // 1 / row sum; 0 for a row with no key (P all zero), which comes out as zeros
+  float const inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[2] > 0.f ? 1.f / l[2] : 0.f};
+  store_out<T>(o, inv, sQ, p, it);
+}
+
+// cp.async groups up to the `kPending` most recent complete, their writes visible to wgmma
+template <int kPending>
+__device__ __forceinline__ void land() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+  fence_async_shared();
+  __syncthreads();
+}
+
+// grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
+// V is in flight while Q K^T and the softmax run.
+// Registers: ~96 at 128 keys, <= 168 at 256: as many CTAs per SM (5, 3) as the shared memory
+// allows (without the bound at 256 keys nvcc takes 228 and only two fit)
+template <class T, bool kCausal, int kKeys>
+__global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 3) kernel(Params const p) {
+  extern __shared__ __align__(1024) uint4 smem[];
+  uint4* sQ = smem;
+  uint4* sK = sQ + kRows * kChunks;
+  uint4* sV = sK + kKeys * kChunks;
+  uint4* sOnes = sV + kKeys * kChunks;
+  Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
+  int const tid = threadIdx.x;
+  load_qk<T, kKeys>(sQ, sK, it.q, it.k, p, min(kRows, p.seq_q - it.m0), tid);
+  commit_group();
+  load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid);
+  commit_group();
+  fill_ones<T>(sOnes, tid);
+  land<1>();
+  attend<T, kCausal, kKeys>(sQ, sK, sV, sOnes, p, it, [] { land<0>(); });
 }
 
 }  // namespace short_seq
