@@ -154,8 +154,9 @@ CASES: list[Case] = [
     ),
     # a tiny launch with every key in one tile: the selector's short-sequence kernel, GQA 16/4
     Case("split_fp16_gqa_q16_kv4_tiny_s100_h64", "stacked", 2, 100, 16, 64, 64, {"n_kv": 4}),
-    # 129-256 keys, a "small" launch: the 256-key short-sequence kernel; and its causal sibling
-    # (ping-pong past 128 keys), bf16 at BERT-base size (the 128-key one)
+    # 129-256 keys, a "small" launch: the 256-key short-sequence kernel, and its causal sibling
+    # (the same kernel since session 6, computing only the keys a block sees), bf16 at
+    # BERT-base size (the 128-key one)
     Case("split_fp16_s200_h64", "stacked", 16, 200, 12, 64, 64),
     Case("split_fp16_s200_h64_causal", "stacked", 16, 200, 12, 64, 64, {"causal": "TopLeft"}),
     Case(

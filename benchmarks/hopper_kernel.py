@@ -402,6 +402,7 @@ SHORT_SHAPES = [
     ("b16_s256_n12_h64", 16, 256, 12, 12, 64, False, "float16"),  # BERT at 256 tokens
     ("b16_s256_n12_h64_causal", 16, 256, 12, 12, 64, True, "float16"),  # (64, True, small)
     ("b2_s256_n12_h64", 2, 256, 12, 12, 64, False, "float16"),  # (64, False, tiny), 256 keys
+    ("b2_s256_n12_h64_causal", 2, 256, 12, 12, 64, True, "float16"),  # (64, True, tiny)
 ]
 
 

@@ -97,26 +97,30 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// S += Q K^T, 64 x N x 16 with N = 2 * sizeof...(I) keys (128 or 256), both operands K-major
+// S += Q K^T, 64 x N x 16 with N = 2 * sizeof...(I) keys (64, 128, 192 or 256), both operands
+// K-major
 template <class T, size_t... I>
 __device__ __forceinline__ void gmma_qk(uint64_t da, uint64_t db, float* d,
                                         std::index_sequence<I...>) {
   namespace G = cute::SM90::GMMA;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  if constexpr (sizeof...(I) == 64) {
-    if constexpr (kBf16) {
-      G::MMA_64x128x16_F32BF16BF16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
-    } else {
-      G::MMA_64x128x16_F32F16F16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
-    }
-  } else {
-    static_assert(sizeof...(I) == 128, "128 or 256 keys");
-    if constexpr (kBf16) {
-      G::MMA_64x256x16_F32BF16BF16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
-    } else {
-      G::MMA_64x256x16_F32F16F16_SS<G::Major::K, G::Major::K>::fma(da, db, d[I]...);
-    }
-  }
+  constexpr auto K = G::Major::K;
+  constexpr size_t kN = 2 * sizeof...(I);
+  static_assert(kN == 64 || kN == 128 || kN == 192 || kN == 256, "64 to 256 keys by 64");
+  using Mma = std::conditional_t<
+      kN == 64, std::conditional_t<kBf16, G::MMA_64x64x16_F32BF16BF16_SS<K, K>,
+                                   G::MMA_64x64x16_F32F16F16_SS<K, K>>,
+      std::conditional_t<
+          kN == 128,
+          std::conditional_t<kBf16, G::MMA_64x128x16_F32BF16BF16_SS<K, K>,
+                             G::MMA_64x128x16_F32F16F16_SS<K, K>>,
+          std::conditional_t<
+              kN == 192,
+              std::conditional_t<kBf16, G::MMA_64x192x16_F32BF16BF16_SS<K, K>,
+                                 G::MMA_64x192x16_F32F16F16_SS<K, K>>,
+              std::conditional_t<kBf16, G::MMA_64x256x16_F32BF16BF16_SS<K, K>,
+                                 G::MMA_64x256x16_F32F16F16_SS<K, K>>>>>;
+  Mma::fma(da, db, d[I]...);
 }
 
 // O += P V, 64 x 64 x 16: P from registers, V MN-major (head dim contiguous) in shared memory
@@ -167,11 +171,12 @@ __device__ __forceinline__ void fill_ones(uint4* ones, int tid) {
 // kTileRows rows of one operand (row stride `stride` elements) into a swz() tile by cp.async;
 // rows from `rows` on and columns from `d_chunks` on are zero-filled, nothing read for them.
 // Thread t copies chunk t % 8 of rows t / 8 + 16 k: its swizzled column and its source step are
-// the same for every k, so each copy costs a compare, a select and a pointer add (written as
-// i / 8, i % 8 per copy, address arithmetic was a third of the 256-key kernel's instructions).
+// the same for every k, so each copy costs a compare and a pointer add (written as i / 8,
+// i % 8 per copy, address arithmetic was a third of the 256-key kernel's instructions). Rows
+// from `touch` on (a multiple of 16) are left alone: the causal kernel does not read them.
 template <int kTileRows, class T>
 __device__ __forceinline__ void load_tile(uint4* dst, const T* src, int64_t stride, int rows,
-                                          int d_chunks, int tid) {
+                                          int d_chunks, int tid, int touch = kTileRows) {
   constexpr int kPass = kThreads / kChunks;  // rows per pass of the CTA: 16
   static_assert(kTileRows % kPass == 0 && kPass % 8 == 0, "the swizzle repeats every 8 rows");
   int const r = tid / kChunks, c = tid % kChunks;
@@ -181,20 +186,21 @@ __device__ __forceinline__ void load_tile(uint4* dst, const T* src, int64_t stri
   int64_t const step = kPass * stride;
 #pragma unroll
   for (int k = 0; k < kTileRows / kPass; ++k) {
+    if (k * kPass >= touch) break;  // uniform: whole passes
     bool const ok = k * kPass < left;
     cp_async16(d + k * kPass * kChunks, g, ok);  // src-size 0: g is not dereferenced
     g += step;
   }
 }
 
-// Q's 64 rows and every key of one head into swizzled shared memory as two cp.async groups (Q
-// and K, then V); columns past head_dim and rows past the ends are zero-filled.
+// Q's 64 rows and the first `keys` keys of one head into swizzled shared memory; columns past
+// head_dim and rows past the ends are zero-filled.
 template <class T, int kKeys>
 __device__ __forceinline__ void load_qk(uint4* sQ, uint4* sK, const T* q, const T* k,
-                                        Params const& p, int q_rows, int tid) {
+                                        Params const& p, int q_rows, int tid, int keys) {
   int const d_chunks = p.head_dim / 8;
   load_tile<kRows>(sQ, q, p.q_row, q_rows, d_chunks, tid);
-  load_tile<kKeys>(sK, k, p.k_row, p.seq_kv, d_chunks, tid);
+  load_tile<kKeys>(sK, k, p.k_row, p.seq_kv, d_chunks, tid, keys);
 }
 
 __device__ __forceinline__ void commit_group() {
@@ -393,7 +399,10 @@ __device__ __forceinline__ void land() {
 }
 
 // grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
-// V is in flight while Q K^T and the softmax run.
+// V is in flight while Q K^T and the softmax run. Causal at 256 keys: a block computes only the
+// keys its last row sees, rounded up to 64 (a 64 x 64, 128, 192 or 256 product; 160 of 256 on
+// average at S 256): B16 S256 N12 15.2 -> 14.4 us (run 21). Not at 128 keys, where the two
+// copies of the math cost more than the first block's 64 keys save (10.2 -> 10.4 us).
 // Registers: ~96 at 128 keys, <= 168 at 256: as many CTAs per SM (5, 3) as the shared memory
 // allows (without the bound at 256 keys nvcc takes 228 and only two fit)
 template <class T, bool kCausal, int kKeys>
@@ -405,13 +414,29 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 3) kernel(Params 
   uint4* sOnes = sV + kKeys * kChunks;
   Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
   int const tid = threadIdx.x;
-  load_qk<T, kKeys>(sQ, sK, it.q, it.k, p, min(kRows, p.seq_q - it.m0), tid);
+  int keys = kKeys;
+  if constexpr (kCausal && kKeys == 256) {  // keys 0 .. m0 + 63 + causal_offset are seen
+    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
+    keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
+  }
+  load_qk<T, kKeys>(sQ, sK, it.q, it.k, p, min(kRows, p.seq_q - it.m0), tid, keys);
   commit_group();
-  load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid);
+  load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid, keys);
   commit_group();
   fill_ones<T>(sOnes, tid);
   land<1>();
-  attend<T, kCausal, kKeys>(sQ, sK, sV, sOnes, p, it, [] { land<0>(); });
+  auto const wait_v = [] { land<0>(); };
+  if constexpr (!kCausal || kKeys == 128) {
+    attend<T, kCausal, kKeys>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else if (keys == 64) {
+    attend<T, true, 64>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else if (keys == 128) {
+    attend<T, true, 128>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else if (keys == 192) {
+    attend<T, true, 192>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else {
+    attend<T, true, 256>(sQ, sK, sV, sOnes, p, it, wait_v);
+  }
 }
 
 }  // namespace short_seq
