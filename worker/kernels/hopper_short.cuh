@@ -286,14 +286,14 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
   for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
 }
 
-// Keys past seq_kv (and, causal, past row + causal_offset) to -inf; key0: this tile's first key.
-// Uniform skip: a full non-causal tile needs no mask.
+// Keys past seq_kv (and, causal, past row + causal_offset) to -inf. Uniform skip: a full
+// non-causal tile needs no mask.
 template <bool kCausal, int kN>
-__device__ __forceinline__ void mask_scores(float (&s)[kN][4], Params const& p, int m0, int key0) {
-  if (!kCausal && p.seq_kv >= key0 + 8 * kN) return;
+__device__ __forceinline__ void mask_scores(float (&s)[kN][4], Params const& p, int m0) {
+  if (!kCausal && p.seq_kv >= 8 * kN) return;
   int const warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int const r0 = m0 + warp * 16 + (lane >> 2);
-  int const c0 = key0 + (lane & 3) * 2;
+  int const c0 = (lane & 3) * 2;
 #pragma unroll
   for (int j = 0; j < kN; ++j) {
 #pragma unroll
@@ -373,7 +373,7 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
   constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
   float s[kN][4];
   product_qk<T>(sQ, sK, s);
-  mask_scores<kCausal>(s, p, it.m0, 0);
+  mask_scores<kCausal>(s, p, it.m0);
   float mx[2] = {-INFINITY, -INFINITY};
   row_max(s, mx);
 #pragma unroll
