@@ -163,7 +163,11 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 / 344 (pingpong3 315)
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
-    # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9)
+    # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had
+    # their own table until session 6 (ping-pong won that GQA shape, 32.9 vs 36.0 us, before the
+    # short kernel's loads lost their per-copy address arithmetic; B8 S2048 Nq32 Nkv8 H128 took
+    # the cooperative kernel from run 3's best-of-two passes until the medians of runs 7 and 10
+    # said ping-pong: 957 vs 984 us and 954 vs 983 us).
     (64, False, "small"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
     # B32 S128 N12 causal: shortw_64x128 10.2 us vs pingpong_128x128 12.3 (cuDNN 11.3; run 18);
     # B16 S256 N12 causal: shortw_64x256, computing only the keys a block sees, 14.4 vs 15.2
@@ -189,14 +193,6 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (256, False, "tiny"): "coop_128x64",
     (256, True, "tiny"): "coop_128x64",
 }
-
-#: GQA/MQA (Nq > Nkv) classes where another variant wins; none since session 6. (At 129-256 keys
-#: a 64-row CTA re-reads its group's K/V once per query head and block, and ping-pong won B32
-#: S256 GQA 16/4 until the short kernel's loads lost their per-copy address arithmetic: run 18,
-#: shortw_64x256 29.0 us vs pingpong_128x128 32.9. B8 S2048 Nq32 Nkv8 H128 took coop_128x128
-#: from run 3's best-of-two passes; the medians of runs 7 and 10 say ping-pong: 957 vs 984 us
-#: and 954 vs 983 us.)
-SELECTION_GROUPED: dict[tuple[int, bool, str], str | tuple[str, ...]] = {}
 
 #: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)
 TINY_CTAS = 132
@@ -312,12 +308,9 @@ def _preferences(choice: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def pick(spec: AttentionSpec) -> str | None:
-    """The measured variant for ``spec``'s shape class (GQA classes may differ): the first of
-    the class's preferences that takes ``spec``, or None."""
-    key = shape_class(spec)
-    choice: str | tuple[str, ...] | None = SELECTION.get(key)
-    if spec.num_q_heads != spec.num_kv_heads and key in SELECTION_GROUPED:
-        choice = SELECTION_GROUPED[key]
+    """The measured variant for ``spec``'s shape class: the first of the class's preferences
+    that takes ``spec``, or None."""
+    choice: str | tuple[str, ...] | None = SELECTION.get(shape_class(spec))
     return next((n for n in _preferences(choice) if VARIANTS[n].takes(spec)), None)
 
 
@@ -409,10 +402,7 @@ def selected_configs(
     """(variant, a spec of it) for every configuration the selection can pick, one per C++
     configuration: what ``stackfuse prebuild`` compiles so that workers start warm."""
     picks = sorted(
-        (key, variant)
-        for table in (SELECTION, SELECTION_GROUPED)
-        for key, choice in table.items()
-        for variant in _preferences(choice)
+        (key, variant) for key, choice in SELECTION.items() for variant in _preferences(choice)
     )
     out: dict[str, tuple[str, AttentionSpec]] = {}
     for (tile, causal, _size), variant in picks:

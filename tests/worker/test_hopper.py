@@ -135,9 +135,6 @@ def test_selection_covers_every_shape_class() -> None:
                 assert all(p in hopper._BY_HEAD_DIM[tile] for p in prefs)
                 # a preference list ends in a variant that takes any key length
                 assert hopper.VARIANTS[prefs[-1]].max_seq_kv is None
-    for key, choice in hopper.SELECTION_GROUPED.items():
-        prefs = (choice,) if isinstance(choice, str) else choice
-        assert all(p in hopper._BY_HEAD_DIM[key[0]] for p in prefs)
 
 
 def test_short_sequence_variant_only_where_every_key_fits() -> None:
