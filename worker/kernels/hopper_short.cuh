@@ -264,12 +264,15 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
   }
   uint64_t const dv = sw128_desc(sV, 0);
   uint64_t const d1 = ones_desc(sOnes);
+  auto const fence = [&] {  // every register the wgmma group reads or writes, around it
 #pragma unroll
-  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
+    for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+    for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
 #pragma unroll
-  for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
+    for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
+  };
+  fence();
   cute::warpgroup_arrive();
 #pragma unroll
   for (int kk = 0; kk < kN / 2; ++kk) {
@@ -278,12 +281,7 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
-#pragma unroll
-  for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
+  fence();
 }
 
 // Keys past seq_kv (and, causal, past row + causal_offset) to -inf. Uniform skip: a full
