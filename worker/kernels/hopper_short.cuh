@@ -361,13 +361,20 @@ __device__ __forceinline__ void store_out(float const (&o)[8][4], float const (&
   }
 }
 
-// One work item whose Q and K have landed in sQ/sK (cp.async groups waited on, proxy fenced,
-// CTA synchronized), every key in one tile: S = Q K^T, softmax, then `wait_v` (which must make
-// sV and the ones complete and visible to wgmma), O = P V with the row sums, out.
-template <class T, bool kCausal, int kKeys, class WaitV>
+// cp.async groups up to the `kPending` most recent complete, their writes visible to wgmma
+template <int kPending>
+__device__ __forceinline__ void land() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+  fence_async_shared();
+  __syncthreads();
+}
+
+// One work item whose Q and K have landed in sQ/sK (the first cp.async group waited on, proxy
+// fenced, CTA synchronized), every key in one tile: S = Q K^T, softmax, then wait for V (the
+// last group) and the ones, O = P V with the row sums, out.
+template <class T, bool kCausal, int kKeys>
 __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* sV,
-                                       uint4 const* sOnes, Params const& p, Item<T> const& it,
-                                       WaitV&& wait_v) {
+                                       uint4 const* sOnes, Params const& p, Item<T> const& it) {
   constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
   float s[kN][4];
   product_qk<T>(sQ, sK, s);
@@ -377,7 +384,7 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
 #pragma unroll
   for (int i = 0; i < 2; ++i) mx[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
   exponentiate(s, mx, p.scale_log2);
-  wait_v();
+  land<0>();
   float o[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -386,14 +393,6 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
   // 1 / row sum; 0 for a row with no key (P all zero), which comes out as zeros
   float const inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[2] > 0.f ? 1.f / l[2] : 0.f};
   store_out<T>(o, inv, sQ, p, it);
-}
-
-// cp.async groups up to the `kPending` most recent complete, their writes visible to wgmma
-template <int kPending>
-__device__ __forceinline__ void land() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-  fence_async_shared();
-  __syncthreads();
 }
 
 // grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
@@ -423,17 +422,16 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 3) kernel(Params 
   commit_group();
   fill_ones<T>(sOnes, tid);
   land<1>();
-  auto const wait_v = [] { land<0>(); };
   if constexpr (!kCausal || kKeys == 128) {
-    attend<T, kCausal, kKeys>(sQ, sK, sV, sOnes, p, it, wait_v);
+    attend<T, kCausal, kKeys>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 64) {
-    attend<T, true, 64>(sQ, sK, sV, sOnes, p, it, wait_v);
+    attend<T, true, 64>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 128) {
-    attend<T, true, 128>(sQ, sK, sV, sOnes, p, it, wait_v);
+    attend<T, true, 128>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 192) {
-    attend<T, true, 192>(sQ, sK, sV, sOnes, p, it, wait_v);
+    attend<T, true, 192>(sQ, sK, sV, sOnes, p, it);
   } else {
-    attend<T, true, 256>(sQ, sK, sV, sOnes, p, it, wait_v);
+    attend<T, true, 256>(sQ, sK, sV, sOnes, p, it);
   }
 }
 
