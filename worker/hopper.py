@@ -99,6 +99,9 @@ _THREE_MMA_WARPGROUPS = (
 #: the example's tile order (batch before heads); ours walks the heads first
 _BATCH_MAJOR = ("stackfuse::hopper::BatchMajor",)
 
+#: FlashAttention-3's intra-warpgroup overlap (hopper_overlap.cuh)
+_OVERLAP = ("stackfuse::hopper::Overlap",)
+
 
 #: every variant, by name; "tma" is the non-warp-specialized kernel (2 CTAs per SM),
 #: "coop" two consumer warpgroups sharing one CTA tile, "pingpong" the persistent version of it
@@ -120,6 +123,10 @@ VARIANTS: dict[str, Variant] = {
         # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
         Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
         Variant("pingpong3_192x128", _PING, 192, 128, _THREE_MMA_WARPGROUPS),
+        # ping-pong with FlashAttention-3's intra-warpgroup overlap (hopper_overlap.cuh): a
+        # warpgroup's softmax runs while its own P V product is on the tensor cores
+        Variant("overlap_128x128", _PING, 128, 128, _OVERLAP),
+        Variant("overlap3_192x128", _PING, 192, 128, (*_THREE_MMA_WARPGROUPS, *_OVERLAP)),
     )
 }
 
@@ -128,17 +135,19 @@ VARIANTS: dict[str, Variant] = {
 #: (coop_128x64, pingpong_128x64) lost to every other variant at every shape measured
 #: (334-351 vs 414-453 TFLOP/s at B2 S8192 N16), so they are not offered there.
 _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
-    32: ("tma_64x128", "coop_128x64"),
+    32: ("overlap_128x128", "pingpong_128x128", "tma_64x128", "coop_128x64"),
     64: (
+        "overlap3_192x128",
         "pingpong3_192x128",
         "coop3_192x128",
         "pingpong_128x128",
+        "overlap_128x128",
         "tma_64x128",
         "tmaB_64x128",
         "shortw_64x128",
         "shortw_64x256",
     ),
-    128: ("pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
+    128: ("overlap_128x128", "pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
     256: ("coop_128x64",),
 }
 
@@ -153,14 +162,20 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
 #: names variants in order of preference: the first that takes the spec (its key length fits,
 #: see Variant.takes) is the pick.
 SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
-    (32, False, "large"): "tma_64x128",  # B8 S2048 N16: 225 / 225 vs coop_128x64 186 / 185
+    # B8 S2048 N16: overlap_128x128 272.9 us vs pingpong_128x128 281.7, tma_64x128 303.2 (cuDNN
+    # 303.1; run 27); tma_64x128 before: 225 / 225 TFLOP/s vs coop_128x64 186 / 185
+    (32, False, "large"): "overlap_128x128",
     (32, True, "large"): "coop_128x64",  # unmeasured; tma at d32 causal not checked on GPU
     (32, False, "small"): "tma_64x128",  # unmeasured
     (32, True, "small"): "coop_128x64",  # unmeasured
     (32, False, "tiny"): "tma_64x128",  # unmeasured
     (32, True, "tiny"): "coop_128x64",  # unmeasured
-    (64, False, "large"): "pingpong3_192x128",  # B2 S8192 N16: 453 / 441 / 432 (coop3 445 in 3)
-    (64, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 347 / 344 (pingpong3 315)
+    # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
+    # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
+    (64, False, "large"): "overlap3_192x128",
+    # B8 S2048 N16 causal: 347 / 344 TFLOP/s (pingpong3 315); overlap_128x128 196.9 us vs
+    # 195.6 (run 25), overlap3_192x128 216 vs 203 (run 24): no gain, kept
+    (64, True, "large"): "pingpong_128x128",
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
     # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had
@@ -179,9 +194,15 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B4 S128 N12 causal: shortw_64x128 3.6 us vs pingpong_128x128 5.7 (cuDNN 5.2; run 21); B2
     # S256 N12 causal: shortw_64x256 5.4 vs 7.6 (cuDNN 6.2; run 22)
     (64, True, "tiny"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
-    # B8 S2048 N16: 645 / 609 / 643; B4 S4096: 610; GQA 32/8 954 us vs coop 983 (run 10)
-    (128, False, "large"): "pingpong_128x128",
-    (128, True, "large"): "pingpong_128x128",  # B8 S2048 N16 causal: 531 / 544 (serpentine)
+    # overlap_128x128 vs pingpong_128x128 (run 25, us): B8 S2048 N16 431.4 vs 443.8, B4 S4096
+    # N32 1801.5 vs 1811.9, GQA 32/8 921.0 vs 932.1, bf16 415.2 vs 431.8; over runs 24-28 1-3%
+    # faster at all but B4 S4096 (+1.1, +0.6, -3.2, -3.5, +2.9%); ping-pong before: 645 / 609 /
+    # 643 TFLOP/s, GQA 32/8 954 us vs coop 983 (run 10)
+    (128, False, "large"): "overlap_128x128",
+    # B8 S2048 N16 causal: 254.3 vs 255.5 us, GQA 32/8 causal 509.5 vs 529.5 (run 25)
+    (128, True, "large"): "overlap_128x128",
+    # ping-pong (its overlap version lost at these: 26.2 vs 25.8, 25.3 vs 25.1, 12.4 vs 11.5,
+    # 12.6 vs 12.3 us, run 25)
     (128, False, "small"): "pingpong_128x128",  # B16 S256 N16: 25.8 us vs coop 34.0 (run 8)
     (128, True, "small"): "pingpong_128x128",  # B16 S256 N16 causal: 25.1 vs coop 32.2
     (128, False, "tiny"): "pingpong_128x128",  # B1 S512 N16: 11.49 us vs coop 11.57

@@ -16,9 +16,12 @@
 //     even out the unequal cost of causal query blocks (+11% measured on an H200);
 //   * `launch<Cfg>()`: builds the TMA descriptors (cached per thread for repeated pointers),
 //     overrides the softmax scale, raises the dynamic shared-memory limit once per device and
-//     launches on the caller's stream.
+//     launches on the caller's stream;
+//   * with the `Overlap` option (the ping-pong kernels), the example's mainloop with its
+//     softmax overlapped with the warpgroup's own P V product (hopper_overlap.cuh).
 //
-// Only the example's headers are included; nothing of it is copied here.
+// The example's headers are included, not copied; only its mainloop's `compute` loop is
+// adapted, in hopper_overlap.cuh.
 #pragma once
 
 #include <cmath>
@@ -39,6 +42,7 @@
 #include "kernel/fmha_kernel_builder.hpp"
 
 #include "hopper_api.h"
+#include "hopper_overlap.cuh"
 #include "hopper_short.cuh"
 
 namespace stackfuse {
@@ -298,6 +302,12 @@ using GroupedStrideKV =
                        cute::tuple<int, _1, cute::tuple<cute::tuple<cute::_0, int>, int>>,
                        cute::tuple<int, _1, cute::tuple<int, cute::tuple<cute::_0, int>>>>;
 
+// The example's mainloop, or with FlashAttention-3's intra-warpgroup overlap
+// (hopper_overlap.cuh) when the options name Overlap (the ping-pong kernels only)
+template <class Base, class Fusion, class... Options>
+using MaybeOverlap =
+    std::conditional_t<kOverlap<Options...>, OverlapMainloop<Base, Fusion>, Base>;
+
 template <class Element, class TileShape, class Fusion, class Schedule, bool kCausal,
           class... Options>
 struct Compose {
@@ -338,9 +348,11 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
   using QSeparately = cutlass::fmha::kernel::Option<
       cutlass::fmha::kernel::Tag::kLoadsQSeparately, cute::true_type>;
   using Mainloop = GroupedMainloop<
-      cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-          Element, float, float, TileShape, GroupedStrideQ<kHeads0>, GroupedStrideKV<kHeads0>,
-          GroupedStrideKV<kHeads0>, Fusion, Options..., Persistent, QSeparately>,
+      MaybeOverlap<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+                       Element, float, float, TileShape, GroupedStrideQ<kHeads0>,
+                       GroupedStrideKV<kHeads0>, GroupedStrideKV<kHeads0>, Fusion, Options...,
+                       Persistent, QSeparately>,
+                   Fusion, Options...>,
       kHeads0>;
   using Epilogue =
       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
