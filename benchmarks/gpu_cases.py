@@ -173,6 +173,20 @@ CASES: list[Case] = [
     # launch of 256 keys (the 64-row TMA kernel before)
     Case("split_fp16_gqa_q16_kv4_s200_h64", "stacked", 16, 200, 16, 64, 64, {"n_kv": 4}),
     Case("split_fp16_tiny_s256_h64", "stacked", 1, 256, 12, 64, 64),
+    # session 7: long sequences on the overlapped mainloop (hopper_overlap.cuh): head dim 32,
+    # three warpgroups at head dim 64 with a ragged key tile, bf16 causal GQA with a ragged one
+    Case("split_fp16_s1024_h32", "stacked", 4, 1024, 16, 32, 32),
+    Case("split_fp16_s2000_h64", "stacked", 2, 2000, 16, 64, 64),
+    Case(
+        "split_bf16_gqa_q32_kv8_causal_s1000",
+        "stacked",
+        2,
+        1000,
+        32,
+        128,
+        128,
+        {"n_kv": 8, "dtype": "bfloat16", "causal": "TopLeft"},
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -194,6 +208,9 @@ HOPPER_CASES = (
     "bert_base_bf16_causal",
     "split_fp16_gqa_q16_kv4_s200_h64",
     "split_fp16_tiny_s256_h64",
+    "split_fp16_s1024_h32",
+    "split_fp16_s2000_h64",
+    "split_bf16_gqa_q32_kv8_causal_s1000",
 )
 
 
