@@ -75,12 +75,15 @@ class Variant:
     @property
     def kind(self) -> str:
         """The schedule in words, for the report."""
-        return {
+        words = {
             _TMA: "TMA, not warp-specialized",
             _COOP: "TMA + warp-specialized, cooperative",
             _PING: "TMA + warp-specialized, ping-pong, persistent",
             _SHORT: "ours: all keys in shared memory, one warpgroup on wgmma",
         }[self.schedule]
+        if any(o in self.options for o in _OVERLAP):
+            words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
+        return words
 
     @property
     def config(self) -> dict[str, int | bool | str]:

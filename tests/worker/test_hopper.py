@@ -154,6 +154,8 @@ def test_short_sequence_variant_only_where_every_key_fits() -> None:
     cfg = hopper.render_config(stacked(seq=128, h=64), "shortw_64x256").source
     assert "stackfuse::hopper::ShortSeq" in cfg and ", 64, 256, 64," in cfg
     assert hopper.VARIANTS["shortw_64x128"].kind.startswith("ours")
+    assert "softmax overlapped" in hopper.VARIANTS["overlap_128x128"].kind
+    assert "overlapped" not in hopper.VARIANTS["pingpong_128x128"].kind
 
 
 def test_shape_classes_follow_the_measurements() -> None:
