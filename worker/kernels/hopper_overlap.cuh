@@ -182,6 +182,15 @@ struct OverlapMainloop : Base {
     tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
     // P in the element type and the A-operand layout of the P V product (written each block)
     decltype(make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{})) p;
+    // Once the last P V product is done: O to the new row maxima, the last block's P to p
+    auto rescale_o_and_convert_p = [&]() {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(acc_pv_mn); i++) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(acc_pv_mn); c++) acc_pv_mn(i, c) *= o_scale(i);
+      }
+      p = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+    };
 
     // Block j >= 1. At the top, acc_s holds the probabilities of block j - 1 (in fp32) and
     // O += P_{j-2} V_{j-2} may be in flight:
@@ -203,12 +212,7 @@ struct OverlapMainloop : Base {
       warpgroup_fence_operand(acc_pv);
       warpgroup_fence_operand(p);
       if (release_v_prev) pipeline.consumer_release(v_prev);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(acc_pv_mn); i++) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(acc_pv_mn); c++) acc_pv_mn(i, c) *= o_scale(i);
-      }
-      p = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+      rescale_o_and_convert_p();
 
       pipeline.consumer_wait(k_read);
       warpgroup_fence_operand(acc_s);
@@ -242,12 +246,7 @@ struct OverlapMainloop : Base {
     warpgroup_fence_operand(acc_pv);
     warpgroup_fence_operand(p);
     if (total >= 2) pipeline.consumer_release(v_prev);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size<0>(acc_pv_mn); i++) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(acc_pv_mn); c++) acc_pv_mn(i, c) *= o_scale(i);
-    }
-    p = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
+    rescale_o_and_convert_p();
     PipelineState v_read = smem_pipe_read;  // V_{n-1}
     ++smem_pipe_read;
     pipeline.consumer_wait(v_read);
