@@ -168,11 +168,16 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B8 S2048 N16: overlap_128x128 272.9 us vs pingpong_128x128 281.7, tma_64x128 303.2 (cuDNN
     # 303.1; run 27); tma_64x128 before: 225 / 225 TFLOP/s vs coop_128x64 186 / 185
     (32, False, "large"): "overlap_128x128",
-    (32, True, "large"): "coop_128x64",  # unmeasured; tma at d32 causal not checked on GPU
-    (32, False, "small"): "tma_64x128",  # unmeasured
-    (32, True, "small"): "coop_128x64",  # unmeasured
+    # B8 S2048 N16 causal: pingpong_128x128 166.6 us vs overlap_128x128 179.5, tma_64x128
+    # 181.3, coop_128x64 (the pick before) 231.3 (cuDNN 178.1; run 29)
+    (32, True, "large"): "pingpong_128x128",
+    # B16 S256 N16: 16.6 us (overlap 16.6, tma 17.4, coop 23.6; cuDNN 16.1); causal: 16.0
+    # (overlap 15.8, tma 16.5, coop 23.9; cuDNN 15.8; run 29)
+    (32, False, "small"): "pingpong_128x128",
+    (32, True, "small"): "pingpong_128x128",
     (32, False, "tiny"): "tma_64x128",  # unmeasured
-    (32, True, "tiny"): "coop_128x64",  # unmeasured
+    # unmeasured; coop_128x64 lost by 23-35% at every head-dim-32 shape measured (run 29)
+    (32, True, "tiny"): "pingpong_128x128",
     # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
     # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
     (64, False, "large"): "overlap3_192x128",
