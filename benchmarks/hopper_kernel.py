@@ -154,6 +154,9 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
     add(b16, "overlap_128x128", "none@32", _HEADS_32)
     add(f16, "pingpong_128x128", "none@32", _HEADS_32)
+    add(f16, "overlap_128x128", "TopLeft@32", _HEADS_32, [], [(16, 16, 32)])
+    add(f16, "pingpong_128x128", "TopLeft@32", _HEADS_32)
+    add(f16, "tma_64x128", "TopLeft@32", _HEADS_32)
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
@@ -405,6 +408,9 @@ SWEEP_SHAPES = [
     ("b1_s512_n16_h128_causal", 1, 512, 16, 16, 128, True, "float16"),  # (128, True, tiny)
     ("b4_s128_n12_h64_causal", 4, 128, 12, 12, 64, True, "float16"),  # (64, True, tiny)
     ("b32_s128_n12_h64_causal", 32, 128, 12, 12, 64, True, "float16"),  # (64, True, small)
+    ("b8_s2048_n16_h32_causal", 8, 2048, 16, 16, 32, True, "float16"),  # (32, True, large)
+    ("b16_s256_n16_h32", 16, 256, 16, 16, 32, False, "float16"),  # (32, False, small)
+    ("b16_s256_n16_h32_causal", 16, 256, 16, 16, 32, True, "float16"),  # (32, True, small)
 ]
 
 
