@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -149,7 +150,7 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "overlap_128x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "overlap3_192x128", "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
-    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)])
+    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, [(16, 4, 64)], [(12, 12, 64)])
     add(b16, "overlap3_192x128", "none@64", _HEADS_64)
     add(f16, "overlap_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
     add(b16, "overlap_128x128", "none@32", _HEADS_32)
@@ -157,6 +158,14 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "TopLeft@32", _HEADS_32, [], [(16, 16, 32)])
     add(f16, "pingpong_128x128", "TopLeft@32", _HEADS_32)
     add(f16, "tma_64x128", "TopLeft@32", _HEADS_32)
+    # session 8 experiments: per-warpgroup key-tile counts off (the example's per-CTA count,
+    # as shipped until session 7), and bf16 P by integer rounding instead of cvt.rn.bf16x2
+    cta_trips = ("-DSTACKFUSE_WG_TRIPS=0",)
+    int_bf16 = ("-DSTACKFUSE_BF16_CVT=1",)
+    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, flags=cta_trips)
+    add(f16, "overlap3_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
+    add(b16, "overlap_128x128", "none", [h128, (32, 8, 128)], [(16, 4, 128)], flags=int_bf16)
+    add(b16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)], flags=int_bf16)
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
@@ -173,7 +182,7 @@ def catalog() -> list[Slot]:
     for dtype, variant, causal_tag, rows, flags in objs:
         causal = causal_tag.split("@")[0]
         tag = causal_tag.replace("@", "_d")
-        suffix = "".join("_" + re.sub(r"[^a-z0-9]", "", f) for f in flags)
+        suffix = "".join("_" + re.sub(r"[^a-z0-9]", "", f.lower()) for f in flags)
         obj = f"{'f16' if dtype == f16 else 'b16'}_{variant}_{tag}{suffix}"
         for kind, nq, nkv, hd, any_seq in rows:
             sym = f"hfa_{obj}_{kind}_{nq}_{nkv}_{hd}{'_anyseq' if any_seq else ''}"
@@ -320,11 +329,18 @@ def build(out: Path, jobs: int, only: str | None) -> int:
         for i, slot in enumerate(members):
             ks = hopper.render(_spec_for(slot), slot.symbol, slot.variant)
             flags = (*ks.flags, *slot.flags)
-            parts.append(_namespaced(ks.source, i, slot.symbol))
             (cfg,) = ks.needs
-            if cfg.source not in configs:
-                configs.add(cfg.source)
-                add_task(f"{obj}.cfg", cfg.source, (*cfg.flags, *slot.flags))
+            glue, cfg_source = ks.source, cfg.source
+            if slot.flags:  # the same configuration built differently: a symbol of its own
+                tag = hashlib.sha256(" ".join(slot.flags).encode()).hexdigest()[:8]
+                glue, cfg_source = (
+                    re.sub(r"(stackfuse_hcfg_[0-9a-f]{24})", rf"\1_{tag}", t)
+                    for t in (glue, cfg_source)
+                )
+            parts.append(_namespaced(glue, i, slot.symbol))
+            if cfg_source not in configs:
+                configs.add(cfg_source)
+                add_task(f"{obj}.cfg", cfg_source, (*cfg.flags, *slot.flags))
         assert len(configs) == 1, f"{obj}: one configuration per object"
         add_task(obj, "\n".join(parts), flags)
         objects += [f"{obj}.cfg.o", f"{obj}.o"]
