@@ -187,6 +187,8 @@ CASES: list[Case] = [
         128,
         {"n_kv": 8, "dtype": "bfloat16", "causal": "TopLeft"},
     ),
+    # session 8: long causal head dim 64 on the overlapped two-warpgroup kernel, a ragged tile
+    Case("split_fp16_s1500_h64_causal", "stacked", 2, 1500, 16, 64, 64, {"causal": "TopLeft"}),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -211,6 +213,7 @@ HOPPER_CASES = (
     "split_fp16_s1024_h32",
     "split_fp16_s2000_h64",
     "split_bf16_gqa_q32_kv8_causal_s1000",
+    "split_fp16_s1500_h64_causal",
 )
 
 

@@ -150,7 +150,7 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "overlap_128x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "overlap3_192x128", "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
-    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, [(16, 4, 64)], [(12, 12, 64)])
+    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)])
     add(b16, "overlap3_192x128", "none@64", _HEADS_64)
     add(f16, "overlap_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
     add(b16, "overlap_128x128", "none@32", _HEADS_32)
@@ -158,14 +158,6 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "TopLeft@32", _HEADS_32, [], [(16, 16, 32)])
     add(f16, "pingpong_128x128", "TopLeft@32", _HEADS_32)
     add(f16, "tma_64x128", "TopLeft@32", _HEADS_32)
-    # session 8 experiments: per-warpgroup key-tile counts off (the example's per-CTA count,
-    # as shipped until session 7), and bf16 P by integer rounding instead of cvt.rn.bf16x2
-    cta_trips = ("-DSTACKFUSE_WG_TRIPS=0",)
-    int_bf16 = ("-DSTACKFUSE_BF16_CVT=1",)
-    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, flags=cta_trips)
-    add(f16, "overlap3_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
-    add(b16, "overlap_128x128", "none", [h128, (32, 8, 128)], [(16, 4, 128)], flags=int_bf16)
-    add(b16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)], flags=int_bf16)
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)

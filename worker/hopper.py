@@ -181,8 +181,10 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
     # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
     (64, False, "large"): "overlap3_192x128",
-    # B8 S2048 N16 causal: 347 / 344 TFLOP/s (pingpong3 315); overlap_128x128 196.9 us vs
-    # 195.6 (run 25), overlap3_192x128 216 vs 203 (run 24): no gain, kept
+    # B8 S2048 N16 causal, overlap_128x128 vs pingpong_128x128 (us): 196.9 vs 195.6 (run 25),
+    # 199.2 vs 201.5 (28), 199.1 vs 201.3 (31), 196.6 vs 200.1 (32), 200.6 vs 199.8 (33),
+    # 200.3 vs 199.8 (34): a tie, ping-pong kept (cuDNN 189.8-194.9); overlap3_192x128 216 vs
+    # 203 (run 24), 197.8 / 196.8 (runs 31-32, with or without per-warpgroup tile counts)
     (64, True, "large"): "pingpong_128x128",
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256

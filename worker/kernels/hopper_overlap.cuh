@@ -23,14 +23,6 @@
 
 #include "collective/fmha_collective_tma_warpspecialized.hpp"
 
-// Experiment switches (session 8; the measured winner stays, the switch goes)
-#ifndef STACKFUSE_WG_TRIPS
-#define STACKFUSE_WG_TRIPS 1
-#endif
-#ifndef STACKFUSE_BF16_CVT
-#define STACKFUSE_BF16_CVT 0
-#endif
-
 namespace stackfuse {
 namespace hopper {
 
@@ -123,37 +115,6 @@ struct OverlapMainloop : Base {
     }
   }
 
-  // P (fp32, the S accumulator's layout) as the A operand of the P V product. bf16 with
-  // STACKFUSE_BF16_CVT: two integer adds (round half up: P >= 0, finite) and one byte
-  // permute per pair instead of cvt.rn.bf16x2.f32 (an experiment: is that conversion what
-  // makes our bf16 kernel slower than our fp16 one?)
-  template <class AccQK>
-  CUTLASS_DEVICE static auto to_operand(AccQK const& acc) {
-    using namespace cute;
-    using cutlass::fmha::collective::make_acc_into_op;
-#if STACKFUSE_BF16_CVT
-    if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
-      using cutlass::fmha::collective::convert_c_layout_to_a_layout;
-      Tensor op = make_fragment_like<Element>(convert_c_layout_to_a_layout(
-          acc.layout(), shape<1>(typename TiledMmaPV::LayoutA_TV{})));
-      // both in storage order: make_acc_into_op copies acc(i) to storage offset
-      // acc.layout()(i) of op, the same offset acc(i) has in acc's storage
-      Tensor src = make_tensor(acc.data(), make_layout(size(acc)));
-      Tensor dst = recast<uint32_t>(make_tensor(op.data(), make_layout(size(op))));
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < size(dst); ++k) {
-        uint32_t const lo = __float_as_uint(src(2 * k)) + 0x8000u;
-        uint32_t const hi = __float_as_uint(src(2 * k + 1)) + 0x8000u;
-        dst(k) = __byte_perm(lo, hi, 0x7632);
-      }
-      return op;
-    } else
-#endif
-    {
-      return make_acc_into_op<Element>(acc, typename TiledMmaPV::LayoutA_TV{});
-    }
-  }
-
   template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer,
             class PipelineStateReducer, class MathWgOrderBarrier>
   CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord,
@@ -181,34 +142,9 @@ struct OverlapMainloop : Base {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     Tensor tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV));
 
-    // Key tiles: the producer loads the CTA's (`cta_total`, from the CTA's last row); this
-    // warpgroup computes only those its own rows see (`total`, from its last row) and passes
-    // the rest back unread (`drain`). With 64-row warpgroups in a 192-row CTA under a causal
-    // mask that is ~10% of the tiles, and a warpgroup whose rows all lie past Sq computes none.
-    int const cta_total = Fusion{}.get_trip_count(blk_coord, TileShape{}, problem_size);
-#if STACKFUSE_WG_TRIPS
-    bool const has_rows = get<0>(wg_coord) * get<0>(TileShapeQK{}) < get<2>(problem_size);
+    int const unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size);
     int const total =
-        has_rows ? Fusion{}.get_trip_count(wg_coord, TileShapeQK{}, problem_size) : 0;
-    int unmasked = Fusion{}.get_unmasked_trip_count(wg_coord, TileShapeQK{}, problem_size);
-    unmasked = unmasked < total ? unmasked : total;
-#else
-    int const total = cta_total;
-    int const unmasked =
-        Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size);
-#endif
-    // K_t and V_t of the tiles t in [total, cta_total): wait until loaded, release unread
-    auto drain = [&]() {
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int t = total; t < cta_total; ++t) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int kv = 0; kv < 2; ++kv) {
-          pipeline.consumer_wait(smem_pipe_read);
-          pipeline.consumer_release(smem_pipe_read);
-          ++smem_pipe_read;
-        }
-      }
-    };
+        unmasked + Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size);
 
     pipeline_q.consumer_wait(smem_pipe_read_q);
     int const q_stage = smem_pipe_read_q.index();
@@ -226,15 +162,6 @@ struct OverlapMainloop : Base {
     cutlass::fmha::collective::CollectiveSoftmax<ElementQK, Fusion, Params> softmax{params};
     auto softmax_state = softmax.init(acc_pv, tiled_mma_pv);
     Tensor o_scale = make_fragment_like(get<0>(softmax_state));
-
-    if (total == 0) {  // no row of this warpgroup is inside Sq: O = 0, its LSE unused
-      math_wg_order_barrier.wait();  // keep the warpgroups' turn order
-      math_wg_order_barrier.arrive();
-      drain();
-      if constexpr (Base::kIsPersistent) pipeline_q.consumer_release(smem_pipe_release_q);
-      Tensor lse = softmax.tail(softmax_state, acc_pv, tiled_mma_pv);
-      return make_tuple(acc_pv, lse);
-    }
 
     // Block 0: S_0 and its softmax (the example's first step: the mask is always applied)
     Tensor acc_s = partition_fragment_C(tiled_mma_qk, take<0, 2>(TileShapeQK{}));
@@ -254,7 +181,7 @@ struct OverlapMainloop : Base {
     fill(o_scale, 1.f);
     tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
     // P in the element type and the A-operand layout of the P V product (written each block)
-    decltype(to_operand(acc_s)) p;
+    decltype(make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{})) p;
     // Once the last P V product is done: O to the new row maxima, the last block's P to p
     auto rescale_o_and_convert_p = [&]() {
       CUTLASS_PRAGMA_UNROLL
@@ -262,7 +189,7 @@ struct OverlapMainloop : Base {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < size<1>(acc_pv_mn); c++) acc_pv_mn(i, c) *= o_scale(i);
       }
-      p = to_operand(acc_s);
+      p = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
     };
 
     // Block j >= 1. At the top, acc_s holds the probabilities of block j - 1 (in fp32) and
@@ -332,7 +259,6 @@ struct OverlapMainloop : Base {
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);
     if constexpr (Base::kIsPersistent) pipeline.consumer_release(v_read);
-    drain();
 
     Tensor lse = softmax.tail(softmax_state, acc_pv, tiled_mma_pv);
     return make_tuple(acc_pv, lse);
