@@ -158,13 +158,6 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "TopLeft@32", _HEADS_32, [], [(16, 16, 32)])
     add(f16, "pingpong_128x128", "TopLeft@32", _HEADS_32)
     add(f16, "tma_64x128", "TopLeft@32", _HEADS_32)
-    # session 8: causal persistent kernels on the dynamic longest-first scheduler (LptScheduler)
-    lpt = ("-DSTACKFUSE_LPT=1",)
-    add(f16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)], [h128, (16, 4, 128)], [h128], lpt)
-    add(f16, "overlap_128x128", "BottomRight", [h128], [h128, (16, 4, 128)], flags=lpt)
-    add(f16, "overlap_128x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)], lpt)
-    add(f16, "pingpong_128x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)], lpt)
-    add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, [(16, 4, 64)], [(12, 12, 64)], lpt)
     # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
     ftz = ("-ftz=true",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)

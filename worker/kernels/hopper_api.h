@@ -27,7 +27,6 @@ struct Problem {
   void* o;
   int64_t o_row, o_batch, o_head;
   float* lse;  // scratch of lse_bytes(): the epilogue always writes the log-sum-exp
-  int* tile_counter;  // scratch of 4 bytes (zeroed by the launch that uses it), or null
   int batch, seq_q, seq_kv, q_heads, kv_heads, head_dim;
   float scale;
   int device_id;
@@ -37,15 +36,6 @@ struct Problem {
 // launches of a group, where there are several, run one after the other and share it).
 inline int64_t lse_bytes(int batch, int q_heads, int seq_q) {
   return int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float));
-}
-
-// Bytes of the whole scratch buffer: the log-sum-exp, then (16-byte aligned) the counter of a
-// dynamic tile scheduler
-inline int64_t lse_counter_offset(int batch, int q_heads, int seq_q) {
-  return (lse_bytes(batch, q_heads, seq_q) + 15) / 16 * 16;
-}
-inline int64_t scratch_bytes(int batch, int q_heads, int seq_q) {
-  return lse_counter_offset(batch, q_heads, seq_q) + 16;
 }
 
 // Why a failure happened, for the caller's error message.

@@ -215,133 +215,6 @@ struct SerpentineScheduler {
   }
 };
 
-// Persistent, dynamic, longest first: a CTA takes its next tile from a global counter when it
-// is ready for one, so CTAs finish together (the static serpentine above leaves max/mean work
-// per CTA at 1.03 with 128-row tiles and 1.10 with 192-row tiles, by simulation). Tile t is
-// listed group-major: groups of `group` heads (chosen so that their K/V fit in L2 together),
-// within a group the heaviest query block of every head first. The counter (4 bytes of the
-// launch's scratch, zeroed before the launch) is read by one thread, warp 1 (the example's K/V
-// load warp, the first to need the next tile); every other warp that walks the tiles (the
-// other producer warps, the consumer warpgroups) reads the tile it took from a ring in static
-// shared memory, guarded by mbarriers: `full` (the tile is there), `empty` (every reader has
-// it). Warp 3 of the producer warpgroup does not walk the tiles in the example's kernel.
-struct LptScheduler {
-  static constexpr int kSlots = 2;
-  struct Params {
-    int num_blocks;
-    int grid;
-    int blocks_q;
-    int heads;  // mode 0 x mode 1 of the problem shape
-    int group;  // heads per group
-    cutlass::FastDivmod divmod_b;  // flat head -> (mode 0, mode 1)
-    int* counter;
-  };
-  struct Ring {
-    int tile[kSlots];
-    uint64_t full[kSlots];
-    uint64_t empty[kSlots];
-  };
-
-  // by reference: the kernel's parameters stay in constant memory (a copy costs the
-  // three-warpgroup kernel, at 128 registers, 104 bytes of spills)
-  Params const& params;
-  int iter = 0;
-  int tile = -1;  // -1: not yet taken in this iteration
-
-  CUTLASS_DEVICE static Ring& ring() {
-    __shared__ Ring r;
-    return r;
-  }
-
-  // Constructed by every thread before the kernel's __syncthreads (which publishes the init).
-  CUTLASS_DEVICE explicit LptScheduler(Params const& p) : params(p) {
-    if (threadIdx.x == 0) {
-      int const readers = int(blockDim.x) / 32 - 4 + 2;  // consumer warps, producer warps 0, 2
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kSlots; ++i) {
-        cutlass::arch::ClusterBarrier::init(&ring().full[i], 1);
-        cutlass::arch::ClusterBarrier::init(&ring().empty[i], readers);
-      }
-      cutlass::arch::fence_barrier_init();
-    }
-  }
-
-  template <class ProblemSize, class ClusterShape, class TileShape>
-  static Params to_underlying_arguments(ProblemSize const& ps, cutlass::KernelHardwareInfo hw,
-                                        ClusterShape const&, TileShape const&) {
-    int const blocks_q = cute::ceil_div(int(cute::get<2>(ps)), int(cute::get<0>(TileShape{})));
-    int const heads = int(cute::get<0>(ps)) * int(cute::get<1>(ps));
-    int const num_blocks = blocks_q * heads;
-    int const sms = hw.sm_count > 0 ? hw.sm_count : 1;
-    // K and V of one head: 2 x Sk x D x 2 bytes; a group's should take at most ~32 MB of L2
-    int64_t const kv_bytes = 4 * int64_t(cute::get<3>(ps)) * int64_t(cute::get<4>(ps));
-    int64_t g = (int64_t(32) << 20) / (kv_bytes > 0 ? kv_bytes : 1);
-    g = g < 8 ? 8 : g;
-    g = g > heads ? heads : g;
-    return Params{num_blocks, num_blocks < sms ? num_blocks : sms, blocks_q, heads, int(g),
-                  cutlass::FastDivmod(int(cute::get<0>(ps))), nullptr};
-  }
-
-  static dim3 get_grid_shape(Params const& params) { return dim3(params.grid, 1, 1); }
-
-  // The tile of this iteration, the same in every warp of the CTA
-  CUTLASS_DEVICE int current() {
-    if (tile >= 0) return tile;
-    Ring& r = ring();
-    int const slot = iter % kSlots;
-    uint32_t const phase = uint32_t(iter / kSlots) & 1u;
-    int const lane = int(threadIdx.x) % 32;
-    int t = 0;
-    if (int(threadIdx.x) / 32 == 1) {
-      if (lane == 0) {
-        if (iter >= kSlots) cutlass::arch::ClusterBarrier::wait(&r.empty[slot], phase ^ 1u);
-        t = atomicAdd(params.counter, 1);
-        reinterpret_cast<int volatile*>(r.tile)[slot] = t;
-        cutlass::arch::ClusterBarrier::arrive(&r.full[slot]);
-      }
-      t = __shfl_sync(0xffffffffu, t, 0);
-    } else {
-      cutlass::arch::ClusterBarrier::wait(&r.full[slot], phase);
-      t = reinterpret_cast<int volatile*>(r.tile)[slot];
-      __syncwarp();
-      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&r.empty[slot]);
-    }
-    tile = t;
-    return t;
-  }
-
-  CUTLASS_DEVICE bool is_valid() { return current() < params.num_blocks; }
-
-  CUTLASS_DEVICE auto get_block_coord() {
-    int const t = current();
-    int const per_group = params.group * params.blocks_q;
-    int const g = t / per_group;
-    int const r = t - g * per_group;
-    int const rest = params.heads - g * params.group;
-    int const g_heads = rest < params.group ? rest : params.group;
-    int const mr = r / g_heads;
-    int const hb = g * params.group + (r - mr * g_heads);
-    int h, b;
-    params.divmod_b(h, b, hb);
-    return cute::make_coord(params.blocks_q - 1 - mr, cute::_0{}, cute::make_coord(b, h));
-  }
-
-  CUTLASS_DEVICE LptScheduler& operator++() {
-    ++iter;
-    tile = -1;
-    return *this;
-  }
-};
-
-// The counter of a dynamic scheduler lives in the launch's scratch; other schedulers have none.
-template <class SchedulerParams>
-inline void set_tile_counter(SchedulerParams&, int*) {}
-inline void set_tile_counter(LptScheduler::Params& p, int* counter) { p.counter = counter; }
-
-#ifndef STACKFUSE_LPT
-#define STACKFUSE_LPT 0  // session 8 experiment: causal ping-pong kernels on LptScheduler
-#endif
-
 // Tile order. The example's problem shape is (B, H, Sq, Sk, D) and its schedulers walk query
 // blocks, then mode 0, then mode 1. We put the heads in mode 0 ("heads first"): CTAs that run
 // together then read neighbouring columns of the same rows of the stacked tensor (one row holds
@@ -483,9 +356,8 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
       kHeads0>;
   using Epilogue =
       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
-  using Scheduler = std::conditional_t<
-      kCausal, std::conditional_t<bool(STACKFUSE_LPT), LptScheduler, SerpentineScheduler>,
-      cutlass::fmha::kernel::PersistentTileScheduler>;
+  using Scheduler = std::conditional_t<kCausal, SerpentineScheduler,
+                                       cutlass::fmha::kernel::PersistentTileScheduler>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, Scheduler, Options..., Persistent, QSeparately>;
 };
@@ -600,14 +472,12 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 // Parameters of one launch, from the cache or built (TMA descriptors encoded) and cached.
 template <class Kernel>
 typename Kernel::Params const* cached_params(ParamsCache<Kernel>& cache, ParamsKey const& key,
-                                             typename Kernel::Arguments const& args, float scale,
-                                             int* counter) {
+                                             typename Kernel::Arguments const& args, float scale) {
   typename Kernel::Params const* params = cache.find(key);
   if (params == nullptr) {
     // no Kernel::can_implement: its seq_q % 8 rule is not needed (TMA clips the ragged query
     // tile; checked on an H200), and head_dim <= tile, % 8 is checked when the code is made
     typename Kernel::Params fresh = Kernel::to_underlying_arguments(args, nullptr);
-    set_tile_counter(fresh.tile_scheduler, counter);
     fresh.mainloop.scale_softmax = scale;
     fresh.mainloop.scale_softmax_log2 = float(double(scale) * kLog2e);
     params = cache.insert(key, fresh);
@@ -626,13 +496,6 @@ inline Status after_launch(cudaError_t* cuda_error) {
 template <class Kernel>
 Status launch_one(typename Kernel::Params const& params, cudaStream_t stream,
                   cudaError_t* cuda_error) {
-  if constexpr (std::is_same_v<std::decay_t<decltype(params.tile_scheduler)>,
-                               LptScheduler::Params>) {
-    if (params.tile_scheduler.counter == nullptr) return Status::kLaunch;
-    if (cudaMemsetAsync(params.tile_scheduler.counter, 0, sizeof(int), stream) != cudaSuccess) {
-      return after_launch(cuda_error);
-    }
-  }
   dim3 const grid = Kernel::get_grid_shape(params);
   dim3 const block = Kernel::get_block_shape();
   cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(params);
@@ -769,7 +632,7 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
          p.kv_heads},
         {static_cast<Element*>(p.o), dO, p.lse, dLSE},
         hw};
-    return launch_one<Kernel>(*cached_params(cache, key, args, p.scale, p.tile_counter), stream, cuda_error);
+    return launch_one<Kernel>(*cached_params(cache, key, args, p.scale), stream, cuda_error);
   } else {
     // The example's non-warp-specialized mainloop fixes its strides: launch g of G reads query
     // heads g, g + G, ... (stride G H) against all Nkv key/value heads.
@@ -790,7 +653,7 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
            static_cast<const Element*>(p.v.ptr), dV},
           {o, dO, p.lse, dLSE},
           hw};
-      st = launch_one<Kernel>(*cached_params(cache, key, args, p.scale, p.tile_counter), stream, cuda_error);
+      st = launch_one<Kernel>(*cached_params(cache, key, args, p.scale), stream, cuda_error);
       if (st != Status::kOk) return st;
     }
     return Status::kOk;

@@ -161,15 +161,13 @@ inline void run_stacked(LaunchFn launch, const StackedSpec& s, DLTensor* const* 
   p.scale = s.scale;
   p.device_id = dev;
 
-  int64_t const lse_nbytes = scratch_bytes(p.batch, p.q_heads, p.seq_q);
+  int64_t const lse_nbytes = lse_bytes(p.batch, p.q_heads, p.seq_q);
   void* lse = TVMBackendAllocWorkspace(kDLCUDA, dev, uint64_t(lse_nbytes), 2, 32);
   if (lse == nullptr) {
     TVM_FFI_THROW(RuntimeError) << "Hopper FMHA: cannot allocate " << lse_nbytes
                                 << " bytes of workspace";
   }
   p.lse = static_cast<float*>(lse);
-  p.tile_counter = reinterpret_cast<int*>(static_cast<char*>(lse) +
-                                          lse_counter_offset(p.batch, p.q_heads, p.seq_q));
   cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, dev));
   int prev_dev = -1;
   bool switched = false;
