@@ -117,8 +117,6 @@ int main() {
     }
     // warp-iterations per SM sub-partition: blocks * threads / 32 / (sms * 4)
     double const warp_iters = double(blocks) * threads / 32.0 / (sms * 4.0) * iters;
-    int clock_khz = 0;
-    cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
     printf("  \"%s\": {\"ms\": %.4f, \"ns_per_warp_iter_per_smsp\": %.4f}%s\n", names[m], best,
            best * 1e6 / warp_iters, m + 1 < kNumModes ? "," : "");
   }
