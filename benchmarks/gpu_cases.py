@@ -187,7 +187,7 @@ CASES: list[Case] = [
         128,
         {"n_kv": 8, "dtype": "bfloat16", "causal": "TopLeft"},
     ),
-    # session 8: long causal head dim 64 on the overlapped two-warpgroup kernel, a ragged tile
+    # session 8: long causal head dim 64 (the class that takes ping-pong), a ragged last tile
     Case("split_fp16_s1500_h64_causal", "stacked", 2, 1500, 16, 64, 64, {"causal": "TopLeft"}),
 ]
 
