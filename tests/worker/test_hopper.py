@@ -465,3 +465,23 @@ def test_prebuild_covers_every_configuration_the_selection_picks() -> None:
                         )
                         ks = hopper.render(spec, "s", hopper.variants(spec)[0])
                         assert ks.needs[0].source in warm, (tile, seq, causal, dtype, nkv)
+
+
+def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
+    """The kernel benchmark builds one configuration with and without a -D switch; if both
+    keep one Config type, the linker keeps one launch<Config> and both time the same kernel
+    (session 8's experiments did). Each flag set must name a Config of its own."""
+    from benchmarks.hopper_kernel import _own_kernel_type
+
+    ks = hopper.render(stacked(h=64, causal="TopLeft"), "s", "overlap3_192x128")
+    source = ks.needs[0].source
+
+    def config(text: str) -> str:
+        (found,) = re.findall(r"launch<(stackfuse::hopper::Config<.*>)>\(p,", text)
+        return found
+
+    a, b = _own_kernel_type(source, "0badc0de"), _own_kernel_type(source, "12345678")
+    assert "BuildTag" not in config(source)
+    assert config(a).endswith(", stackfuse::hopper::BuildTag<0x0badc0deu>>")
+    assert len({config(source), config(a), config(b)}) == 3
+    assert "struct BuildTag" in a
