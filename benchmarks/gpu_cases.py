@@ -187,8 +187,11 @@ CASES: list[Case] = [
         128,
         {"n_kv": 8, "dtype": "bfloat16", "causal": "TopLeft"},
     ),
-    # session 8: long causal head dim 64 (the class that takes ping-pong), a ragged last tile
+    # session 8: long causal head dim 64, a ragged last tile (on ping-pong until session 9, on
+    # three warpgroups with per-warpgroup key-tile counts since); session 9: 1000 rows leave
+    # two of the last block's three warpgroups without a row (they only drain K/V)
     Case("split_fp16_s1500_h64_causal", "stacked", 2, 1500, 16, 64, 64, {"causal": "TopLeft"}),
+    Case("split_fp16_s1000_h64_causal", "stacked", 4, 1000, 16, 64, 64, {"causal": "TopLeft"}),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -214,6 +217,7 @@ HOPPER_CASES = (
     "split_fp16_s2000_h64",
     "split_bf16_gqa_q32_kv8_causal_s1000",
     "split_fp16_s1500_h64_causal",
+    "split_fp16_s1000_h64_causal",
 )
 
 

@@ -487,8 +487,8 @@ def select_kernel(
             else ""
         )
         reason = (
-            f"Hopper FMHA {variant} ({hopper.VARIANTS[variant].kind}, sm_90a): the H200-measured "
-            "pick for "
+            f"Hopper FMHA {variant} ({hopper.VARIANTS[variant].words(causal)}, sm_90a): the "
+            "H200-measured pick for "
             f"head dim {tile}, {'causal' if causal else 'non-causal'}, {size} launches{grouped}"
         )
         return hopper.render(spec, symbol, variant), reason

@@ -85,6 +85,13 @@ class Variant:
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
         return words
 
+    def words(self, causal: bool) -> str:
+        """:attr:`kind`, plus what a causal mask changes (the report's words)."""
+        if causal and self.block_q == 192 and any(o in self.options for o in _OVERLAP):
+            # hopper_overlap.cuh, kWarpgroupTrips
+            return self.kind + "; each warpgroup computes only the key tiles its rows see"
+        return self.kind
+
     @property
     def config(self) -> dict[str, int | bool | str]:
         return {
@@ -181,11 +188,13 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
     # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
     (64, False, "large"): "overlap3_192x128",
-    # B8 S2048 N16 causal, overlap_128x128 vs pingpong_128x128 (us): 196.9 vs 195.6 (run 25),
-    # 199.2 vs 201.5 (28), 199.1 vs 201.3 (31), 196.6 vs 200.1 (32), 200.6 vs 199.8 (33),
-    # 200.3 vs 199.8 (34): a tie, ping-pong kept (cuDNN 189.8-194.9); overlap3_192x128 216 vs
-    # 203 (run 24), 197.8 / 196.8 (runs 31-32, with or without per-warpgroup tile counts)
-    (64, True, "large"): "pingpong_128x128",
+    # B8 S2048 N16 causal (us), overlap3_192x128 with per-warpgroup key-tile counts vs
+    # overlap_128x128 vs pingpong_128x128, one run each: 195.4 / 196.7 / 200.5 (run 42), 197.1
+    # / 198.4 / 202.0 (43), 197.8 / 198.9 / 201.8 (44); cuDNN 191.1-193.7. overlap3 without
+    # the per-warpgroup counts: 216 vs ping-pong 203 (run 24), 211.3 (42). (Runs 31-32's "with
+    # or without" timed one kernel twice: docs/field-notes.md, session 9.) Before: ping-pong,
+    # overlap_128x128 a tie with it over runs 25-34.
+    (64, True, "large"): "overlap3_192x128",
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
     # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had

@@ -59,6 +59,8 @@ enum class CausalMode : int { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
 // for top-left and Sk - Sq for bottom-right alignment.
 template <CausalMode kMode>
 struct StackfuseMask : cutlass::fmha::collective::DefaultFusion {
+  static constexpr bool kCausal = kMode != CausalMode::kNone;
+
   template <class ProblemSize>
   CUTLASS_DEVICE static int offset(ProblemSize const& ps) {
     if constexpr (kMode == CausalMode::kBottomRight) {

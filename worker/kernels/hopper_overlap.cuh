@@ -55,6 +55,11 @@ struct OverlapMainloop : Base {
   using typename Base::TiledMmaQK;
   using ElementQK = typename Base::ElementAccumulatorQK;
 
+  // per-warpgroup key-tile counts (see `compute`): causal masks, three 64-row warpgroups
+  static constexpr bool kWarpgroupTrips =
+      Fusion::kCausal &&
+      cute::size<0>(TileShape{}) == 3 * cute::size<0>(TileShapeQK{});
+
   // 2^x in one MUFU.EX2. exp2f adds a compare and two multiplies per call for subnormal
   // results (< 2^-126): here they are probabilities that small next to a row maximum of 1,
   // which fp16 cannot hold and no sum notices, so flushing them to zero changes nothing.
@@ -142,9 +147,33 @@ struct OverlapMainloop : Base {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     Tensor tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV));
 
-    int const unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size);
-    int const total =
-        unmasked + Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size);
+    // Key tiles: the producer loads the CTA's (`cta_total`, from the CTA's last row). Under a
+    // causal mask with three 64-row warpgroups (a 192-row CTA over 128-key tiles) each
+    // warpgroup computes only those its own rows see (`total`) and passes the rest back
+    // unread (`drain`): ~10% fewer tiles, 211 -> 195-198 us at B8 S2048 N16 H64 (session 9,
+    // three runs). With two warpgroups both see the same tiles, and without a mask every
+    // warpgroup sees every tile: those kernels keep the example's count, and their code.
+    int unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size);
+    int total = unmasked + Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size);
+    int const cta_total = total;
+    if constexpr (kWarpgroupTrips) {
+      bool const has_rows = get<0>(wg_coord) * get<0>(TileShapeQK{}) < get<2>(problem_size);
+      total = has_rows ? Fusion{}.get_trip_count(wg_coord, TileShapeQK{}, problem_size) : 0;
+      unmasked = Fusion{}.get_unmasked_trip_count(wg_coord, TileShapeQK{}, problem_size);
+      unmasked = unmasked < total ? unmasked : total;
+    }
+    // K_t and V_t of the tiles t in [total, cta_total): wait until loaded, release unread
+    auto drain = [&]() {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int t = total; t < cta_total; ++t) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int kv = 0; kv < 2; ++kv) {
+          pipeline.consumer_wait(smem_pipe_read);
+          pipeline.consumer_release(smem_pipe_read);
+          ++smem_pipe_read;
+        }
+      }
+    };
 
     pipeline_q.consumer_wait(smem_pipe_read_q);
     int const q_stage = smem_pipe_read_q.index();
@@ -162,6 +191,17 @@ struct OverlapMainloop : Base {
     cutlass::fmha::collective::CollectiveSoftmax<ElementQK, Fusion, Params> softmax{params};
     auto softmax_state = softmax.init(acc_pv, tiled_mma_pv);
     Tensor o_scale = make_fragment_like(get<0>(softmax_state));
+
+    if constexpr (kWarpgroupTrips) {
+      if (total == 0) {  // no row of this warpgroup is inside Sq: O = 0, its LSE unused
+        math_wg_order_barrier.wait();  // keep the warpgroups' turn order
+        math_wg_order_barrier.arrive();
+        drain();
+        if constexpr (Base::kIsPersistent) pipeline_q.consumer_release(smem_pipe_release_q);
+        Tensor lse = softmax.tail(softmax_state, acc_pv, tiled_mma_pv);
+        return make_tuple(acc_pv, lse);
+      }
+    }
 
     // Block 0: S_0 and its softmax (the example's first step: the mask is always applied)
     Tensor acc_s = partition_fragment_C(tiled_mma_qk, take<0, 2>(TileShapeQK{}));
@@ -259,6 +299,7 @@ struct OverlapMainloop : Base {
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);
     if constexpr (Base::kIsPersistent) pipeline.consumer_release(v_read);
+    if constexpr (kWarpgroupTrips) drain();
 
     Tensor lse = softmax.tail(softmax_state, acc_pv, tiled_mma_pv);
     return make_tuple(acc_pv, lse);
