@@ -263,20 +263,26 @@ struct BuildTag {
 """
 
 
-def _own_kernel_type(cfg_source: str, tag: str) -> str:
-    """``cfg_source`` with ``BuildTag<tag>`` among its Config's options.
+def _own_names(glue: str, cfg_source: str, flags: tuple[str, ...]) -> tuple[str, str]:
+    """The glue and configuration source of a build with extra ``flags``, with names of their
+    own: the configuration's function (``stackfuse_hcfg_<hash>_<tag>``, else two objects
+    collide at link time) and its ``Config`` type, which gains ``BuildTag<tag>``.
 
-    Why: ``launch<Config>`` is a template, so objects built from one configuration with
-    different flags define it under one name and the linker keeps the first; every flagged
-    copy then ran the unflagged kernel (found in session 9: ncu counted the same instruction
-    mix for all of them). A type of its own makes each kernel reachable."""
+    Why the type: ``launch<Config>`` is a template, so objects built from one configuration
+    with different flags define it under one name and the linker keeps the first; every
+    flagged copy then ran the unflagged kernel (found in session 9: ncu counted the same
+    instruction mix for all of them)."""
+    tag = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
+    glue, cfg_source = (
+        re.sub(r"(stackfuse_hcfg_[0-9a-f]{24})", rf"\1_{tag}", t) for t in (glue, cfg_source)
+    )
     include = '#include "hopper_fmha.cuh"\n'
     assert include in cfg_source and cfg_source.count(">>(p, stream, cuda_error)") == 1
-    cfg_source = cfg_source.replace(include, include + _BUILD_TAG, 1)
-    return cfg_source.replace(
+    cfg_source = cfg_source.replace(include, include + _BUILD_TAG, 1).replace(
         ">>(p, stream, cuda_error)",
         f", stackfuse::hopper::BuildTag<0x{tag}u>>>(p, stream, cuda_error)",
     )
+    return glue, cfg_source
 
 
 def _nvcc_command(flags: tuple[str, ...], src: Path, obj: Path) -> list[str]:
@@ -356,13 +362,8 @@ def build(out: Path, jobs: int, only: str | None) -> int:
             flags = (*ks.flags, *slot.flags)
             (cfg,) = ks.needs
             glue, cfg_source = ks.source, cfg.source
-            if slot.flags:  # the same configuration built differently: names of its own
-                tag = hashlib.sha256(" ".join(slot.flags).encode()).hexdigest()[:8]
-                glue, cfg_source = (
-                    re.sub(r"(stackfuse_hcfg_[0-9a-f]{24})", rf"\1_{tag}", t)
-                    for t in (glue, cfg_source)
-                )
-                cfg_source = _own_kernel_type(cfg_source, tag)
+            if slot.flags:  # the same configuration built differently
+                glue, cfg_source = _own_names(glue, cfg_source, slot.flags)
             parts.append(_namespaced(glue, i, slot.symbol))
             if cfg_source not in configs:
                 configs.add(cfg_source)

@@ -476,17 +476,23 @@ def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
     """The kernel benchmark builds one configuration with and without a -D switch; if both
     keep one Config type, the linker keeps one launch<Config> and both time the same kernel
     (session 8's experiments did). Each flag set must name a Config of its own."""
-    from benchmarks.hopper_kernel import _own_kernel_type
+    from benchmarks.hopper_kernel import _own_names
 
     ks = hopper.render(stacked(h=64, causal="TopLeft"), "s", "overlap3_192x128")
-    source = ks.needs[0].source
+    glue, source = ks.source, ks.needs[0].source
 
     def config(text: str) -> str:
         (found,) = re.findall(r"launch<(stackfuse::hopper::Config<.*>)>\(p,", text)
         return found
 
-    a, b = _own_kernel_type(source, "0badc0de"), _own_kernel_type(source, "12345678")
+    def function(text: str) -> set[str]:
+        return set(re.findall(r"stackfuse_hcfg_\w+", text))
+
+    glue_a, a = _own_names(glue, source, ("-DSTACKFUSE_X=1",))
+    glue_b, b = _own_names(glue, source, ("-DSTACKFUSE_X=2",))
     assert "BuildTag" not in config(source)
-    assert config(a).endswith(", stackfuse::hopper::BuildTag<0x0badc0deu>>")
+    assert re.search(r", stackfuse::hopper::BuildTag<0x[0-9a-f]{8}u>>$", config(a))
     assert len({config(source), config(a), config(b)}) == 3
     assert "struct BuildTag" in a
+    # the glue calls the configuration's function by its new name, each build its own
+    assert function(glue_a) == function(a) != function(glue_b) == function(b) != function(glue)
