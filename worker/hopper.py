@@ -87,8 +87,9 @@ class Variant:
 
     def words(self, causal: bool) -> str:
         """:attr:`kind`, plus what a causal mask changes (the report's words)."""
-        if causal and self.block_q == 192 and any(o in self.options for o in _OVERLAP):
-            # hopper_overlap.cuh, kWarpgroupTrips
+        three = any(o in self.options for o in _THREE_MMA_WARPGROUPS)
+        if causal and three and any(o in self.options for o in _OVERLAP):
+            # the condition of hopper_overlap.cuh's kWarpgroupTrips
             return self.kind + "; each warpgroup computes only the key tiles its rows see"
         return self.kind
 
