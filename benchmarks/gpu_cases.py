@@ -192,6 +192,19 @@ CASES: list[Case] = [
     # two of the last block's three warpgroups without a row (they only drain K/V)
     Case("split_fp16_s1500_h64_causal", "stacked", 2, 1500, 16, 64, 64, {"causal": "TopLeft"}),
     Case("split_fp16_s1000_h64_causal", "stacked", 4, 1000, 16, 64, 64, {"causal": "TopLeft"}),
+    # session 10: head dim 256 on the overlapped cooperative kernel with lazy rescale, a large
+    # launch with a ragged key tile and a tiny bf16 causal one
+    Case("split_fp16_s1100_h256", "stacked", 4, 1100, 8, 256, 256),
+    Case(
+        "split_bf16_s600_h256_causal",
+        "stacked",
+        2,
+        600,
+        8,
+        256,
+        256,
+        {"dtype": "bfloat16", "causal": "TopLeft"},
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -218,6 +231,8 @@ HOPPER_CASES = (
     "split_bf16_gqa_q32_kv8_causal_s1000",
     "split_fp16_s1500_h64_causal",
     "split_fp16_s1000_h64_causal",
+    "split_fp16_s1100_h256",
+    "split_bf16_s600_h256_causal",
 )
 
 

@@ -167,6 +167,13 @@ def catalog() -> list[Slot]:
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], flags=ftz)
     add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=ftz)
     add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=ftz)
+    # causal three-warpgroup tiles in a heavy-first order within chunks of heads (session 10)
+    add(f16, "overlap3k_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
+    add(f16, "overlap3k_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
+    # head dim 256: the overlapped mainloop with lazy rescale, in the cooperative kernel
+    add(f16, "overlapc_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
+    add(f16, "overlapc_128x64", "TopLeft@256", _HEADS_256, [], [(8, 8, 256)])
+    add(b16, "overlapc_128x64", "none@256", _HEADS_256)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
 
@@ -454,6 +461,11 @@ SWEEP_SHAPES = [
     ("b8_s2048_n16_h32_causal", 8, 2048, 16, 16, 32, True, "float16"),  # (32, True, large)
     ("b16_s256_n16_h32", 16, 256, 16, 16, 32, False, "float16"),  # (32, False, small)
     ("b16_s256_n16_h32_causal", 16, 256, 16, 16, 32, True, "float16"),  # (32, True, small)
+    ("b4_s2048_n8_h256_causal", 4, 2048, 8, 8, 256, True, "float16"),  # (256, True, large)
+    ("b16_s256_n8_h256", 16, 256, 8, 8, 256, False, "float16"),  # (256, False, small)
+    ("b16_s256_n8_h256_causal", 16, 256, 8, 8, 256, True, "float16"),  # (256, True, small)
+    ("b1_s1024_n8_h256", 1, 1024, 8, 8, 256, False, "float16"),  # (256, False, tiny)
+    ("b1_s1024_n8_h256_causal", 1, 1024, 8, 8, 256, True, "float16"),  # (256, True, tiny)
 ]
 
 
@@ -547,8 +559,32 @@ def _make_inputs(
     )
 
 
-def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int]]:
-    """(B, Sq, Sk) per slot: tile-aligned, ragged, tiny, and Sq != Sk where the layout allows."""
+#: per-tile growth of the scores, in log2 units, of the "ramp" cases (one value per head, cycled)
+_RAMP_LOG2_PER_TILE = (0.0, 3.0, 7.0, 9.0, 20.0)
+
+
+def _ramp_scores(torch: Any, q: Any, k: Any) -> None:
+    """Scores that grow with the key position, by a different rate per head (in place).
+
+    Random inputs set a row's maximum in the first key tile and never move it much, so a
+    kernel's rescale of O (and a lazy one's threshold) would go untested: here feature 0 of every
+    query is 1 and of key t is ``r_h * t``, so each 128-key tile raises the scores by
+    _RAMP_LOG2_PER_TILE[h] in log2 units (below, near and far above a threshold of 8).
+    """
+    h = q.shape[-1]
+    sk, nkv = k.shape[1], k.shape[2]
+    per_tile = torch.tensor(
+        [_RAMP_LOG2_PER_TILE[i % len(_RAMP_LOG2_PER_TILE)] for i in range(nkv)], device=k.device
+    )
+    rate = per_tile * math.sqrt(h) / (128 * math.log2(math.e))  # score units per key
+    pos = torch.arange(sk, device=k.device, dtype=torch.float32)
+    q[..., 0] = 1.0
+    k[..., 0] = (pos[:, None] * rate[None, :]).to(k.dtype)[None]
+
+
+def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int] | tuple[int, int, int, str]]:
+    """(B, Sq, Sk[, "ramp"]) per slot: tile-aligned, ragged, tiny, Sq != Sk where the layout
+    allows, and for the long-sequence kernels scores that grow along the keys (rescales)."""
     most = slot.get("max_seq_kv")
     if most == 128:  # short-sequence kernels
         if slot["kind"] == "split":
@@ -559,12 +595,12 @@ def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int]]:
             return [(2, 64, 256), (1, 37, 200), (3, 256, 256), (2, 129, 200)]
         return [(2, 256, 256), (3, 77, 77), (1, 1, 1), (5, 200, 200), (2, 129, 129)]
     if slot["any_seq"]:
-        return [(2, 77, 77), (1, 203, 203), (3, 1, 1), (1, 999, 999)]
+        return [(2, 77, 77), (1, 203, 203), (3, 1, 1), (1, 999, 999), (1, 999, 999, "ramp")]
     if slot["kind"] == "split":
         if slot["causal"] == "BottomRight":
             return [(2, 128, 384), (1, 200, 328), (2, 256, 256), (1, 8, 1000)]
         return [(2, 128, 384), (1, 200, 136), (2, 384, 128), (1, 256, 256)]
-    return [(2, 256, 256), (1, 200, 200), (3, 128, 128), (1, 1032, 1032)]
+    return [(2, 256, 256), (1, 200, 200), (3, 128, 128), (1, 1032, 1032), (1, 1032, 1032, "ramp")]
 
 
 def _dtype(torch: Any, name: str) -> Any:
@@ -577,7 +613,7 @@ def _tensor_args(tvm_ffi: Any, ts: list[Any]) -> list[Any]:
 
 def numerics_items(
     manifest: list[dict[str, Any]],
-) -> list[tuple[dict[str, Any], tuple[int, int, int]]]:
+) -> list[tuple[dict[str, Any], tuple[int, ...] | tuple[int, int, int, str]]]:
     """Every (slot, (B, Sq, Sk)) to check, riskiest layouts last."""
     order = {"stacked": 0, "split": 1}
     slots = sorted(manifest, key=lambda s: (s["any_seq"], order[s["kind"]]))
@@ -588,9 +624,10 @@ def numerics(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]],
     """Yields one record per case from index ``start`` on (a restart skips a hung case)."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234 + start)
-    for index, (slot, (b, sq, sk)) in enumerate(numerics_items(manifest)):
+    for index, (slot, (b, sq, sk, *how)) in enumerate(numerics_items(manifest)):
         if index < start:
             continue
+        ramp = how == ["ramp"]
         fn = mod[slot["symbol"]]
         dt = _dtype(torch, slot["dtype"])
         rec: dict[str, Any] = {
@@ -607,9 +644,12 @@ def numerics(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]],
             "B": b,
             "Sq": sq,
             "Sk": sk,
+            **({"inputs": "ramp"} if ramp else {}),
         }
         try:
             ops, q, k, v = _make_inputs(torch, slot, b, sq, sk, dt, gen)
+            if ramp:
+                _ramp_scores(torch, q, k)
             out = torch.full(
                 (b, sq, slot["nq"], slot["head_dim"]), float("nan"), dtype=dt, device="cuda"
             )
@@ -979,7 +1019,8 @@ def _markdown(
     ]
     for r in num:
         lines.append(
-            f"| {r['symbol']} | {r['B']} | {r['Sq']} | {r['Sk']} | {r.get('ref_dtype', '')} "
+            f"| {r['symbol']} | {r['B']} | {r['Sq']} | {r['Sk']}"
+            f"{' (ramp)' if r.get('inputs') == 'ramp' else ''} | {r.get('ref_dtype', '')} "
             f"| {r.get('rel_err', float('nan')):.2e} | {r.get('max_abs_err', float('nan')):.2e} "
             f"| {'yes' if r['passed'] else 'NO ' + r.get('error', '')} |"
         )
@@ -1181,7 +1222,7 @@ def run(directory: Path, out: Path, budget_s: float) -> int:
     num_items = numerics_items(manifest)
     for r in num:  # fill in what a hung item was
         if "symbol" not in r and r["index"] < len(num_items):
-            slot, (b, sq, sk) = num_items[r["index"]]
+            slot, (b, sq, sk, *_) = num_items[r["index"]]
             r.update(symbol=slot["symbol"], B=b, Sq=sq, Sk=sk)
     rows = [r for r in rows if "shape" in r] + [
         {"shape": "?", "method": f"item {r['index']}", "error": r.get("error", "")}

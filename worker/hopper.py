@@ -83,15 +83,20 @@ class Variant:
         }[self.schedule]
         if any(o in self.options for o in _OVERLAP):
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
+        if any(o in self.options for o in _LAZY):
+            words += ", O rescaled only when a row maximum grows by more than 2^8"
         return words
 
     def words(self, causal: bool) -> str:
         """:attr:`kind`, plus what a causal mask changes (the report's words)."""
+        words = self.kind
         three = any(o in self.options for o in _THREE_MMA_WARPGROUPS)
         if causal and three and any(o in self.options for o in _OVERLAP):
             # the condition of hopper_overlap.cuh's kWarpgroupTrips
-            return self.kind + "; each warpgroup computes only the key tiles its rows see"
-        return self.kind
+            words += "; each warpgroup computes only the key tiles its rows see"
+        if causal and any(o in self.options for o in _CHUNKED):
+            words += "; tiles handed out heaviest first within chunks of heads"
+        return words
 
     @property
     def config(self) -> dict[str, int | bool | str]:
@@ -112,6 +117,10 @@ _BATCH_MAJOR = ("stackfuse::hopper::BatchMajor",)
 
 #: FlashAttention-3's intra-warpgroup overlap (hopper_overlap.cuh)
 _OVERLAP = ("stackfuse::hopper::Overlap",)
+#: with it, O rescaled only when a row maximum grows by more than 2^8 (FlashAttention-4's)
+_LAZY = ("stackfuse::hopper::LazyRescale",)
+#: causal ping-pong tiles in a heavy-first order within chunks of heads (hopper_fmha.cuh)
+_CHUNKED = ("stackfuse::hopper::ChunkedOrder",)
 
 
 #: every variant, by name; "tma" is the non-warp-specialized kernel (2 CTAs per SM),
@@ -138,6 +147,16 @@ VARIANTS: dict[str, Variant] = {
         # warpgroup's softmax runs while its own P V product is on the tensor cores
         Variant("overlap_128x128", _PING, 128, 128, _OVERLAP),
         Variant("overlap3_192x128", _PING, 192, 128, (*_THREE_MMA_WARPGROUPS, *_OVERLAP)),
+        Variant(
+            "overlap3k_192x128",
+            _PING,
+            192,
+            128,
+            (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED),
+        ),
+        # the same mainloop in the cooperative kernel, with O rescaled lazily, for head dim 256
+        # (no ping-pong fits there; O is 128 floats per thread, rescaled per 64-key tile)
+        Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
     )
 }
 
@@ -149,6 +168,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
     32: ("overlap_128x128", "pingpong_128x128", "tma_64x128", "coop_128x64"),
     64: (
         "overlap3_192x128",
+        "overlap3k_192x128",
         "pingpong3_192x128",
         "coop3_192x128",
         "pingpong_128x128",
@@ -159,7 +179,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortw_64x256",
     ),
     128: ("overlap_128x128", "pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
-    256: ("coop_128x64",),
+    256: ("overlapc_128x64", "coop_128x64"),
 }
 
 #: Per shape class, the variant to use, from three H200 runs (benchmarks/results/
@@ -189,13 +209,17 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
     # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
     (64, False, "large"): "overlap3_192x128",
-    # B8 S2048 N16 causal (us), overlap3_192x128 with per-warpgroup key-tile counts vs
+    # B8 S2048 N16 causal (us), overlap3k_192x128 (tiles heaviest first within chunks of 32
+    # heads) vs overlap3_192x128 (the plain serpentine): 193.8 / 193.6 / 193.6 vs 199.1 / 200.7 /
+    # 197.4 (SDPA's fastest 191.7 / 193.7 / 191.1; runs 55-57); Nsight Compute: the busiest SM's
+    # active cycles 1.06x the mean instead of 1.13x (cuDNN 1.08x), 189-192 vs 198 us.
+    # Session 9: overlap3_192x128 with per-warpgroup key-tile counts vs
     # overlap_128x128 vs pingpong_128x128, one run each: 195.4 / 196.7 / 200.5 (run 42), 197.1
     # / 198.4 / 202.0 (43), 197.8 / 198.9 / 201.8 (44); cuDNN 191.1-193.7. overlap3 without
     # the per-warpgroup counts: 216 vs ping-pong 203 (run 24), 211.3 (42). (Runs 31-32's "with
     # or without" timed one kernel twice: docs/field-notes.md, session 9.) Before: ping-pong,
     # overlap_128x128 a tie with it over runs 25-34.
-    (64, True, "large"): "overlap3_192x128",
+    (64, True, "large"): "overlap3k_192x128",
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
     # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had
@@ -227,12 +251,18 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (128, True, "small"): "pingpong_128x128",  # B16 S256 N16 causal: 25.1 vs coop 32.2
     (128, False, "tiny"): "pingpong_128x128",  # B1 S512 N16: 11.49 us vs coop 11.57
     (128, True, "tiny"): "pingpong_128x128",  # B1 S512 N16 causal: 12.27 vs coop 12.35
-    (256, False, "large"): "coop_128x64",  # the only variant; B4 S2048 N8: 661 / 668
-    (256, True, "large"): "coop_128x64",
-    (256, False, "small"): "coop_128x64",
-    (256, True, "small"): "coop_128x64",
-    (256, False, "tiny"): "coop_128x64",
-    (256, True, "tiny"): "coop_128x64",
+    # Head dim 256: overlapc_128x64 (overlapped mainloop, lazy rescale) vs coop_128x64 (the only
+    # variant until session 10), us. B4 S2048 N8: 199.3 / 197.9 vs 210.5 / 210.5, overlapc
+    # without the lazy rescale 212.3 / 212.0 (cuDNN 207.3 / 208.7; runs 50-51); 197.1 / 198.1 vs
+    # 210.9 / 211.2 (cuDNN 208.1 / 208.5; runs 52-53). Sweep (run 54, cuDNN in brackets): B4
+    # S2048 N8 causal 145.4 vs 156.1 (152.9); B16 S256 N8 28.0 vs 28.8 (26.5), causal 27.6 vs
+    # 28.2 (25.4); B1 S1024 N8 27.3 vs 28.1 (27.9), causal 26.5 vs 28.5 (28.2).
+    (256, False, "large"): "overlapc_128x64",
+    (256, True, "large"): "overlapc_128x64",
+    (256, False, "small"): "overlapc_128x64",
+    (256, True, "small"): "overlapc_128x64",
+    (256, False, "tiny"): "overlapc_128x64",
+    (256, True, "tiny"): "overlapc_128x64",
 }
 
 #: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)

@@ -105,7 +105,7 @@ def test_variants_by_head_dim() -> None:
     }
     assert "tma_64x128" in hopper.variants(stacked(h=64))
     assert "pingpong3_192x128" in hopper.variants(stacked(h=64))
-    assert hopper.variants(stacked(h=256)) == ["coop_128x64"]
+    assert hopper.variants(stacked(h=256)) == ["overlapc_128x64", "coop_128x64"]
     assert hopper.variants(stacked(h=96)) == hopper.variants(stacked(h=128))
     assert hopper.variants(stacked(h=264)) == []
 
@@ -160,6 +160,12 @@ def test_short_sequence_variant_only_where_every_key_fits() -> None:
     assert "key tiles" not in three.words(causal=False)
     assert "key tiles" not in hopper.VARIANTS["overlap_128x128"].words(causal=True)
     assert "overlapped" not in hopper.VARIANTS["pingpong_128x128"].kind
+    assert "rescaled only when" in hopper.VARIANTS["overlapc_128x64"].kind
+    chunked = hopper.VARIANTS["overlap3k_192x128"]
+    assert "heaviest first" in chunked.words(causal=True)
+    assert "heaviest first" not in chunked.words(causal=False)
+    assert "heaviest first" not in three.words(causal=True)
+    assert "rescaled only when" not in hopper.VARIANTS["overlap_128x128"].kind
 
 
 def test_shape_classes_follow_the_measurements() -> None:
@@ -193,8 +199,9 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert hopper.variants(stacked(h=32, causal="TopLeft"))[0] == "pingpong_128x128"
     assert hopper.variants(stacked(batch=16, seq=256, h=32))[0] == "pingpong_128x128"
     # long causal head dim 64: three warpgroups, each computing only the key tiles its rows
-    # see (195-198 vs ping-pong's 200-202 us, runs 42-44)
-    assert hopper.variants(stacked(seq=2048, h=64, causal="TopLeft"))[0] == "overlap3_192x128"
+    # see (195-198 vs ping-pong's 200-202 us, runs 42-44), their tiles handed out heaviest
+    # first within chunks of heads (193.6-193.8 vs 197.4-200.7 us, runs 55-57)
+    assert hopper.variants(stacked(seq=2048, h=64, causal="TopLeft"))[0] == "overlap3k_192x128"
     # short prompts at head dim 128: ping-pong (its overlapped version lost there, run 25)
     assert hopper.variants(stacked(batch=16, seq=256, nq=16, nkv=16, h=128))[0] == (
         "pingpong_128x128"
@@ -285,8 +292,11 @@ _ALLOWED_IDENTIFIERS = {
     "kNumMmaWarpGroups",
     "cute",
     "Int",
-    # the overlapped mainloop's option (hopper_overlap.cuh)
+    # the overlapped mainloop's options (hopper_overlap.cuh)
     "Overlap",
+    "LazyRescale",
+    # the causal tile order option (hopper_fmha.cuh)
+    "ChunkedOrder",
     # arguments that are no tensor (shape arguments TVM passes)
     "AnyView",
     "nullptr",
@@ -308,8 +318,10 @@ def _code_tokens(source: str) -> tuple[set[str], list[str]]:
         ("pingpong3_192x128", 64),
         ("overlap_128x128", 128),
         ("overlap3_192x128", 64),
+        ("overlap3k_192x128", 64),
         ("tma_64x128", 64),
         ("coop_128x64", 256),
+        ("overlapc_128x64", 256),
     ],
 )
 @pytest.mark.parametrize("causal", ["none", "TopLeft", "BottomRight"])

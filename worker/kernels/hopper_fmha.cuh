@@ -17,7 +17,7 @@
 //   * `launch<Cfg>()`: builds the TMA descriptors (cached per thread for repeated pointers),
 //     overrides the softmax scale, raises the dynamic shared-memory limit once per device and
 //     launches on the caller's stream;
-//   * with the `Overlap` option (the ping-pong kernels), the example's mainloop with its
+//   * with the `Overlap` option, the example's mainloop with its
 //     softmax overlapped with the warpgroup's own P V product (hopper_overlap.cuh).
 //
 // The example's headers are included, not copied; only its mainloop's `compute` loop is
@@ -29,6 +29,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -217,6 +218,132 @@ struct SerpentineScheduler {
   }
 };
 
+// Persistent, serpentine over a heavy-first order within chunks of heads (the `ChunkedOrder`
+// option; session 10). With 192-row tiles a head has 11 query blocks at 2048 rows, which do not
+// divide the 132 CTAs' rounds: the plain serpentine pairs heavy with light blocks for ten rounds
+// and hands the last, partial round's 88 tiles (light to heavy) to 88 CTAs, max/mean ~1.10 by a
+// cost model of key tiles per block. Listing the blocks of each chunk of K heads heaviest first
+// (K heads' K/V in L2 at once) evens that out to ~1.03 at K = 32, and is much worse than the plain
+// order at other shapes; so the host simulates the serpentine for each K that keeps a chunk's
+// K/V under kChunkBytes and takes the best, K = 0 (the plain order) included.
+struct ChunkedSerpentineScheduler {
+  struct Params {
+    int num_blocks;
+    int grid;
+    int blocks_q;
+    int heads;  // mode 0 x mode 1 (heads x batch)
+    int chunk;  // K; 0: the plain serpentine order
+    cutlass::FastDivmod divmod_m_block;
+    cutlass::FastDivmod divmod_b;
+  };
+
+  static constexpr double kChunkBytes = 24.0 * 1024 * 1024;
+
+  Params params;
+  int round = 0;
+  int tile;
+
+  CUTLASS_DEVICE explicit ChunkedSerpentineScheduler(Params const& p)
+      : params(p), tile(SerpentineScheduler::index(0)) {}
+
+  // max / mean CTA load of the serpentine for chunk size k, a tile costing its key tiles + 1.5
+  static double imbalance(int k, int blocks_q, int heads, int grid, int rows_q, int block_q,
+                          int block_kv, int seq_k) {
+    int const kv_tiles = (seq_k + block_kv - 1) / block_kv;
+    auto cost = [&](int m) {
+      int last = (m + 1) * block_q < rows_q ? (m + 1) * block_q - 1 : rows_q - 1;
+      int t = last / block_kv + 1;
+      return (t < kv_tiles ? t : kv_tiles) + 1.5;
+    };
+    std::vector<double> load(grid, 0.0);
+    long const n = long(blocks_q) * heads;
+    double total = 0;
+    for (long t = 0; t < n; ++t) {
+      long const r = t / grid, j = t - r * grid;
+      int const cta = int((r & 1) ? grid - 1 - j : j);
+      int m;
+      if (k == 0) {
+        m = int(t % blocks_q);
+      } else {
+        long const c = t / (long(k) * blocks_q);
+        long const u = t - c * long(k) * blocks_q;
+        long const kc = heads - c * k < k ? heads - c * k : k;
+        m = blocks_q - 1 - int(u / kc);
+      }
+      double const w = cost(m);
+      load[cta] += w;
+      total += w;
+    }
+    double most = 0;
+    for (double l : load) most = l > most ? l : most;
+    return most * grid / total;
+  }
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& ps, cutlass::KernelHardwareInfo hw,
+                                        ClusterShape const&, TileShape const&) {
+    int const block_q = int(cute::get<0>(TileShape{}));
+    int const block_kv = int(cute::get<1>(TileShape{}));
+    int const rows_q = int(cute::get<2>(ps));
+    int const seq_k = int(cute::get<3>(ps));
+    int const blocks_q = cute::ceil_div(rows_q, block_q);
+    int const heads = int(cute::get<0>(ps)) * int(cute::get<1>(ps));
+    int const num_blocks = blocks_q * heads;
+    int const sms = hw.sm_count > 0 ? hw.sm_count : 1;
+    int const grid = num_blocks < sms ? num_blocks : sms;
+    // K and V bytes of one head (fp16/bf16; GQA heads share theirs, so this overcounts)
+    double const kv_bytes = 4.0 * seq_k * double(cute::get<4>(ps));
+    int chunk = 0;
+    if (long(num_blocks) <= (1L << 18)) {  // a host-side simulation per new shape (cached)
+      double best = imbalance(0, blocks_q, heads, grid, rows_q, block_q, block_kv, seq_k);
+      for (int k : {8, 16, 24, 32, 48, 64}) {
+        if (k >= heads || k * kv_bytes > kChunkBytes) continue;
+        double const v = imbalance(k, blocks_q, heads, grid, rows_q, block_q, block_kv, seq_k);
+        if (v < best - 0.01) best = v, chunk = k;
+      }
+    }
+    return Params{num_blocks, grid, blocks_q, heads, chunk, cutlass::FastDivmod(blocks_q),
+                  cutlass::FastDivmod(int(cute::get<0>(ps)))};
+  }
+
+  static dim3 get_grid_shape(Params const& params) { return dim3(params.grid, 1, 1); }
+
+  CUTLASS_DEVICE bool is_valid() const { return tile < params.num_blocks; }
+
+  CUTLASS_DEVICE auto get_block_coord() const {
+    int rest, m, b, h;
+    if (params.chunk == 0) {
+      params.divmod_m_block(rest, m, tile);
+    } else {
+      int const per_chunk = params.chunk * params.blocks_q;
+      int const c = tile / per_chunk;
+      int const u = tile - c * per_chunk;
+      int const left = params.heads - c * params.chunk;
+      int const kc = left < params.chunk ? left : params.chunk;
+      int const r = u / kc;
+      m = params.blocks_q - 1 - r;
+      rest = c * params.chunk + (u - r * kc);
+    }
+    params.divmod_b(h, b, rest);
+    return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
+  }
+
+  CUTLASS_DEVICE ChunkedSerpentineScheduler& operator++() {
+    ++round;
+    tile = SerpentineScheduler::index(round);
+    return *this;
+  }
+};
+
+// Option tag: the causal ping-pong kernels take ChunkedSerpentineScheduler
+struct ChunkedOrder {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1003);  // not CUTLASS's
+  using option_value = cute::true_type;
+};
+
+template <class... Options>
+inline constexpr bool kChunked = (std::is_same_v<Options, ChunkedOrder> || ...);
+
 // Tile order. The example's problem shape is (B, H, Sq, Sk, D) and its schedulers walk query
 // blocks, then mode 0, then mode 1. We put the heads in mode 0 ("heads first"): CTAs that run
 // together then read neighbouring columns of the same rows of the stacked tensor (one row holds
@@ -305,10 +432,10 @@ using GroupedStrideKV =
                        cute::tuple<int, _1, cute::tuple<int, cute::tuple<cute::_0, int>>>>;
 
 // The example's mainloop, or with FlashAttention-3's intra-warpgroup overlap
-// (hopper_overlap.cuh) when the options name Overlap (the ping-pong kernels only)
+// (hopper_overlap.cuh) when the options name Overlap
 template <class Base, class Fusion, class... Options>
-using MaybeOverlap =
-    std::conditional_t<kOverlap<Options...>, OverlapMainloop<Base, Fusion>, Base>;
+using MaybeOverlap = std::conditional_t<kOverlap<Options...>,
+                                        OverlapMainloop<Base, Fusion, kLazy<Options...>>, Base>;
 
 template <class Element, class TileShape, class Fusion, class Schedule, bool kCausal,
           class... Options>
@@ -326,9 +453,10 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
   static constexpr bool kGrouped = true;
   static constexpr bool kHeads0 = kHeadsFirst<Options...>;
   using Mainloop = GroupedMainloop<
-      cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-          Element, float, float, TileShape, GroupedStrideQ<kHeads0>, GroupedStrideKV<kHeads0>,
-          GroupedStrideKV<kHeads0>, Fusion, Options...>,
+      MaybeOverlap<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+                       Element, float, float, TileShape, GroupedStrideQ<kHeads0>,
+                       GroupedStrideKV<kHeads0>, GroupedStrideKV<kHeads0>, Fusion, Options...>,
+                   Fusion, Options...>,
       kHeads0>;
   using Epilogue =
       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
@@ -358,8 +486,10 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
       kHeads0>;
   using Epilogue =
       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
-  using Scheduler = std::conditional_t<kCausal, SerpentineScheduler,
-                                       cutlass::fmha::kernel::PersistentTileScheduler>;
+  using Scheduler = std::conditional_t<
+      kCausal,
+      std::conditional_t<kChunked<Options...>, ChunkedSerpentineScheduler, SerpentineScheduler>,
+      cutlass::fmha::kernel::PersistentTileScheduler>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, Scheduler, Options..., Persistent, QSeparately>;
 };

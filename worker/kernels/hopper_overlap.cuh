@@ -36,7 +36,16 @@ struct Overlap {
 template <class... Options>
 inline constexpr bool kOverlap = (std::is_same_v<Options, Overlap> || ...);
 
-template <class Base, class Fusion>
+// Option tag: O rescaled lazily (see `OverlapMainloop::kLazyRescale`)
+struct LazyRescale {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1002);
+  using option_value = cute::true_type;
+};
+
+template <class... Options>
+inline constexpr bool kLazy = (std::is_same_v<Options, LazyRescale> || ...);
+
+template <class Base, class Fusion, bool kLazyRescaleO = false>
 struct OverlapMainloop : Base {
   using typename Base::Element;
   using typename Base::MainloopPipeline;
@@ -55,6 +64,18 @@ struct OverlapMainloop : Base {
   using typename Base::TiledMmaQK;
   using ElementQK = typename Base::ElementAccumulatorQK;
 
+  // Lazy rescale (FlashAttention-4's): a row keeps its running maximum until a tile's
+  // maximum exceeds it by more than kRescaleLog2 (log2 units: probabilities up to 256, which
+  // fp16 and bf16 hold at full relative precision; the fp32 sums and O do not care), and a warp
+  // whose rows all kept theirs skips O's rescale between the wait for P V and the next wgmma.
+  // The result is the same online softmax: sums and O share the stale maximum, and the tail
+  // divides one by the other. Pays where O is large next to S: head dim 256 with 64-key tiles
+  // (128 FMULs per thread and tile for 32 exponentials), 212 -> 198-199 us at B4 S2048 N8
+  // (session 10, runs 50-51); at head dims 32-128 with 128-key tiles it lost 1-4% (the branch
+  // costs more than the FMULs), so only the variants that name the option have it.
+  static constexpr bool kLazyRescale = kLazyRescaleO;
+  static constexpr float kRescaleLog2 = 8.f;
+
   // per-warpgroup key-tile counts (see `compute`): causal masks, three 64-row warpgroups
   static constexpr bool kWarpgroupTrips =
       Fusion::kCausal &&
@@ -72,8 +93,9 @@ struct OverlapMainloop : Base {
   // The online softmax of one S tile with O's rescale deferred: the new row maxima go to the
   // state, the row sums are rescaled here, and the factor for O is returned in o_scale (O is
   // still being written by the P V product in flight when this runs).
+  // Returns whether this thread's rows need O rescaled (always, unless kLazyRescale).
   template <bool kMasked, class AccQK, class CountQK, class State, class Scales, class ProblemShape>
-  CUTLASS_DEVICE static void online_softmax(AccQK& acc_qk, CountQK const& count_qk, State& state,
+  CUTLASS_DEVICE static bool online_softmax(AccQK& acc_qk, CountQK const& count_qk, State& state,
                                             Scales& o_scale, Params const& params,
                                             ProblemShape const& ps) {
     using namespace cute;
@@ -104,12 +126,24 @@ struct OverlapMainloop : Base {
         }
       }
     });
+    bool rescale = !kLazyRescale;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(s); i++) {
-      float const cur = m(i) == -INFINITY ? 0.f : m(i);
-      o_scale(i) = ::exp2f((s_max(i) - cur) * scale);
-      s_max(i) = m(i);
-      float const off = cur * scale;
+      float off;
+      if constexpr (kLazyRescale) {
+        // grown by more than the threshold, or from -inf to a number (a NaN: both -inf, no)
+        bool const grown = (m(i) - s_max(i)) * scale > kRescaleLog2;
+        rescale |= grown;
+        float const cur = m(i) == -INFINITY ? 0.f : m(i);
+        o_scale(i) = grown ? ::exp2f((s_max(i) - cur) * scale) : 1.f;
+        s_max(i) = grown ? m(i) : s_max(i);
+        off = (s_max(i) == -INFINITY ? 0.f : s_max(i)) * scale;
+      } else {
+        float const cur = m(i) == -INFINITY ? 0.f : m(i);
+        o_scale(i) = ::exp2f((s_max(i) - cur) * scale);
+        s_max(i) = m(i);
+        off = cur * scale;
+      }
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); j++) {
@@ -118,6 +152,7 @@ struct OverlapMainloop : Base {
       }
       a_sum(i) = a_sum(i) * o_scale(i) + sum;
     }
+    return rescale;
   }
 
   template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer,
@@ -223,11 +258,15 @@ struct OverlapMainloop : Base {
     // P in the element type and the A-operand layout of the P V product (written each block)
     decltype(make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{})) p;
     // Once the last P V product is done: O to the new row maxima, the last block's P to p
+    // (lazy rescale: only where a row of the warp moved its maximum; warp-uniform branch)
+    bool rescale_o = false;
     auto rescale_o_and_convert_p = [&]() {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(acc_pv_mn); i++) {
+      if (!kLazyRescale || __any_sync(uint32_t(-1), rescale_o)) {
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(acc_pv_mn); c++) acc_pv_mn(i, c) *= o_scale(i);
+        for (int i = 0; i < size<0>(acc_pv_mn); i++) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < size<1>(acc_pv_mn); c++) acc_pv_mn(i, c) *= o_scale(i);
+        }
       }
       p = make_acc_into_op<Element>(acc_s, typename TiledMmaPV::LayoutA_TV{});
     };
@@ -269,8 +308,8 @@ struct OverlapMainloop : Base {
       warpgroup_wait<1>();  // S_j is done; the P V product may still run
       warpgroup_fence_operand(acc_s);
       pipeline.consumer_release(k_read);
-      online_softmax<decltype(masked)::value>(acc_s, tPcP, softmax_state, o_scale, params,
-                                              problem_size);
+      rescale_o = online_softmax<decltype(masked)::value>(acc_s, tPcP, softmax_state, o_scale,
+                                                          params, problem_size);
       v_prev = v_read;
       tPcP.data() = tPcP.data() + E<1>{} * get<1>(TileShapeQK{});
     };
