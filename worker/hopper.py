@@ -154,6 +154,14 @@ VARIANTS: dict[str, Variant] = {
             128,
             (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED),
         ),
+        # and with O rescaled lazily (the pick for long causal launches at head dim 64)
+        Variant(
+            "overlap3kl_192x128",
+            _PING,
+            192,
+            128,
+            (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY),
+        ),
         # the same mainloop in the cooperative kernel, with O rescaled lazily, for head dim 256
         # (no ping-pong fits there; O is 128 floats per thread, rescaled per 64-key tile)
         Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
@@ -168,6 +176,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
     32: ("overlap_128x128", "pingpong_128x128", "tma_64x128", "coop_128x64"),
     64: (
         "overlap3_192x128",
+        "overlap3kl_192x128",
         "overlap3k_192x128",
         "pingpong3_192x128",
         "coop3_192x128",
@@ -209,9 +218,12 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
     # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
     (64, False, "large"): "overlap3_192x128",
-    # B8 S2048 N16 causal (us), overlap3k_192x128 (tiles heaviest first within chunks of 32
-    # heads) vs overlap3_192x128 (the plain serpentine): 193.8 / 193.6 / 193.6 vs 199.1 / 200.7 /
-    # 197.4 (SDPA's fastest 191.7 / 193.7 / 191.1; runs 55-57); Nsight Compute: the busiest SM's
+    # B8 S2048 N16 causal (us): overlap3kl_192x128 (chunked order + lazy rescale) vs
+    # overlap3k_192x128 (chunked order) 189.9 / 189.5 vs 191.1 / 191.5 (SDPA's fastest 191.6 /
+    # 191.8; runs 58-59; the lazy rescale alone on overlap3_192x128: 197.9 / 199.3 vs 200.7 /
+    # 200.2, runs 50-51). overlap3k_192x128 (tiles heaviest first within chunks of 32 heads) vs
+    # overlap3_192x128 (the plain serpentine): 193.8 / 193.6 / 193.6 vs 199.1 / 200.7 / 197.4
+    # (SDPA's fastest 191.7 / 193.7 / 191.1; runs 55-57); Nsight Compute: the busiest SM's
     # active cycles 1.06x the mean instead of 1.13x (cuDNN 1.08x), 189-192 vs 198 us.
     # Session 9: overlap3_192x128 with per-warpgroup key-tile counts vs
     # overlap_128x128 vs pingpong_128x128, one run each: 195.4 / 196.7 / 200.5 (run 42), 197.1
@@ -219,7 +231,7 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # the per-warpgroup counts: 216 vs ping-pong 203 (run 24), 211.3 (42). (Runs 31-32's "with
     # or without" timed one kernel twice: docs/field-notes.md, session 9.) Before: ping-pong,
     # overlap_128x128 a tie with it over runs 25-34.
-    (64, True, "large"): "overlap3k_192x128",
+    (64, True, "large"): "overlap3kl_192x128",
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
     # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had
