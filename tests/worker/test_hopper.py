@@ -510,3 +510,53 @@ def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
     assert "struct BuildTag" in a
     # the glue calls the configuration's function by its new name, each build its own
     assert function(glue_a) == function(a) != function(glue_b) == function(b) != function(glue)
+
+
+def _bench_row(method: str, passes: list[float]) -> dict[str, object]:
+    """A kernel-benchmark record as hopper_kernel.bench writes it (B8 S2048 N16 H64 causal)."""
+    med = sorted(passes)[len(passes) // 2]
+    return {
+        "shape": "b8_s2048_n16_h64_causal",
+        "B": 8,
+        "S": 2048,
+        "Nq": 16,
+        "Nkv": 16,
+        "H": 64,
+        "causal": True,
+        "dtype": "float16",
+        "method": method,
+        "kernel_us_profiler": med,
+        "tflops_profiler": 1.0,
+        "latency_us": med + 10,
+        "passes_us": passes,
+    }
+
+
+def test_benchmark_summary_names_the_selection_and_pairs_rounds() -> None:
+    """The kernel benchmark's summary reports the selection's variant (not only the fastest
+    one built) and its ratio to SDPA's fastest round by round, which cancels the clock's drift
+    between rounds that a ratio of medians keeps."""
+    from benchmarks.hopper_kernel import _summarize
+
+    pick = "hopper:" + hopper.pick(stacked(batch=8, seq=2048, h=64, causal="TopLeft"))
+    rows = [
+        _bench_row("hopper:pingpong_128x128", [180.0, 210.0, 210.0]),  # slower by its median
+        _bench_row(pick, [200.0, 190.0, 205.0]),
+        _bench_row("sdpa:cudnn", [190.0, 200.0, 200.0]),
+        _bench_row("sdpa:default", [195.0, 201.0, 203.0]),
+    ]
+    (s,) = _summarize(rows)
+    assert s["selected_hopper"] == pick and s["selected_is_built"]
+    assert s["ratio_selected_vs_best_sdpa"] == pytest.approx(200.0 / 200.0)
+    # rounds: 190/200, 200/190, 200/205 against sdpa:cudnn (SDPA's fastest by its median)
+    assert s["rounds"] == 3 and s["rounds_faster"] == 1
+    assert s["paired_ratio_median"] == pytest.approx(0.975609756, rel=1e-6)
+    assert s["paired_ratio_min"] == pytest.approx(0.95)
+    assert s["paired_ratio_max"] == pytest.approx(200.0 / 190.0)
+
+    # a run that did not build the selection: the best built variant stands in, and says so
+    (s,) = _summarize([rows[0], rows[2], rows[3]])
+    assert s["selected_hopper"] == "hopper:pingpong_128x128" and not s["selected_is_built"]
+    # rounds that do not line up (one failed) are not paired
+    (s,) = _summarize([_bench_row(pick, [200.0, 190.0]), rows[2]])
+    assert "rounds" not in s
