@@ -17,6 +17,7 @@ import pytest
 from worker import hopper
 from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
 from worker.codegen import compile_object
+from worker.toolchain import find_toolchain
 
 
 def stacked(
@@ -438,6 +439,53 @@ def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int) -
     cfg = ks.needs[0].symbol
     assert re.search(rf"\bU stackfuse::hopper::{cfg}\(", glue)  # called, defined apart
     assert re.search(rf"\bT stackfuse::hopper::{cfg}\(", symbols(cfg_obj))
+
+
+_SCHEDULER_PROBE = r"""
+#include "hopper_fmha.cuh"
+#include <cstdio>
+namespace hp = stackfuse::hopper;
+using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+int main() {
+  cutlass::KernelHardwareInfo hw;
+  hw.sm_count = 132;
+  using T128 = cute::Shape<cute::Int<128>, cute::Int<128>, cute::Int<128>>;
+  using T192 = cute::Shape<cute::Int<192>, cute::Int<128>, cute::Int<64>>;
+  // (heads, batch, Sq, Sk, D): 4096, 2048 and 100 tiles of 128 rows
+  int const grids[][4] = {{32, 8, 2048, 128}, {16, 8, 2048, 128}, {10, 1, 1280, 128}};
+  for (auto const& g : grids) {
+    auto ps = cute::make_tuple(g[0], g[1], g[2], g[2], g[3]);
+    auto p = hp::BalancedPersistentScheduler::to_underlying_arguments(ps, hw, Cluster{}, T128{});
+    std::printf("grid %d %d\n", p.num_blocks, hp::BalancedPersistentScheduler::get_grid_shape(p).x);
+  }
+  // causal, 192-row tiles: B8 S2048 N16 (11 blocks x 128 heads), B4 S1000 N16 (6 x 64)
+  int const orders[][3] = {{16, 8, 2048}, {16, 4, 1000}};
+  for (auto const& o : orders) {
+    auto ps = cute::make_tuple(o[0], o[1], o[2], o[2], 64);
+    auto p = hp::ChunkedSerpentineScheduler::to_underlying_arguments(ps, hw, Cluster{}, T192{});
+    std::printf("chunk %d %d\n", p.num_blocks, p.chunk);
+  }
+}
+"""
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> None:
+    """The persistent schedulers' host-side choices, from the header compiled into a host
+    program (no GPU needed). Without a mask the grid shrinks only when the last round would hold
+    at most a quarter of the SMs (4096 tiles: 128 CTAs of 32; 2048: 132, its last round holds
+    68); the causal three-warpgroup order takes chunks of 32 heads where the cost model favours
+    them (B8 S2048 N16) and the plain serpentine where that is best."""
+    chain = find_toolchain()
+    src, exe = tmp_path / "probe.cu", tmp_path / "probe"
+    src.write_text(_SCHEDULER_PROBE)
+    includes = [f"-I{p}" for p in hopper.include_dirs()]
+    cmd = [str(chain.nvcc), "-std=c++17", "--expt-relaxed-constexpr", hopper.GENCODE, *includes]
+    subprocess.run([*cmd, "-o", str(exe), str(src)], check=True, capture_output=True, timeout=600)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
+    assert out[3:5] == ["chunk 1408 32", "chunk 384 0"]
 
 
 def test_render_takes_shape_arguments_that_are_no_tensor() -> None:
