@@ -16,7 +16,7 @@ import pytest
 
 from worker import hopper
 from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
-from worker.codegen import compile_object
+from worker.codegen import COMMON_FLAGS, compile_object, include_flags
 from worker.toolchain import find_toolchain
 
 
@@ -478,11 +478,14 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     68); the causal three-warpgroup order takes chunks of 32 heads where the cost model favours
     them (B8 S2048 N16) and the plain serpentine where that is best."""
     chain = find_toolchain()
-    src, exe = tmp_path / "probe.cu", tmp_path / "probe"
+    src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
     src.write_text(_SCHEDULER_PROBE)
-    includes = [f"-I{p}" for p in hopper.include_dirs()]
-    cmd = [str(chain.nvcc), "-std=c++17", "--expt-relaxed-constexpr", hopper.GENCODE, *includes]
-    subprocess.run([*cmd, "-o", str(exe), str(src)], check=True, capture_output=True, timeout=600)
+    # the service's own nvcc flags and include dirs, linked as the benchmark links its library
+    ours = [f"-I{p}" for p in hopper.include_dirs()]
+    nvcc = [str(chain.nvcc), *COMMON_FLAGS, hopper.GENCODE, *ours, *include_flags(chain)]
+    subprocess.run([*nvcc, "-o", str(obj), str(src)], check=True, capture_output=True, timeout=600)
+    link = ["g++", "-o", str(exe), str(obj), str(chain.cudart_static), "-lpthread", "-ldl", "-lrt"]
+    subprocess.run(link, check=True, capture_output=True, timeout=120)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
     assert out[3:5] == ["chunk 1408 32", "chunk 384 0"]
