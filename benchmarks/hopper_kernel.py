@@ -171,6 +171,8 @@ def catalog() -> list[Slot]:
     add(f16, "overlap3k_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3k_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
+    add(f16, "overlap3kl_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
+    add(b16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
     # head dim 256: the overlapped mainloop with lazy rescale, in the cooperative kernel
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
     add(f16, "overlapc_128x64", "TopLeft@256", _HEADS_256, [], [(8, 8, 256)])
