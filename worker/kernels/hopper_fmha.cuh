@@ -249,6 +249,20 @@ struct ChunkedSerpentineScheduler {
   CUTLASS_DEVICE explicit ChunkedSerpentineScheduler(Params const& p)
       : params(p), tile(SerpentineScheduler::index(0)) {}
 
+  // Tile `tile` of the chunked order (chunk > 0): its query block (heaviest first within the
+  // chunk) and its head (mode 0 x mode 1 index); shared by the device and the host's simulation
+  CUTLASS_HOST_DEVICE static void chunked_tile(int tile, int chunk, int blocks_q, int heads,
+                                               int& m, int& rest) {
+    int const per_chunk = chunk * blocks_q;
+    int const c = tile / per_chunk;
+    int const u = tile - c * per_chunk;
+    int const left = heads - c * chunk;
+    int const kc = left < chunk ? left : chunk;
+    int const r = u / kc;
+    m = blocks_q - 1 - r;
+    rest = c * chunk + (u - r * kc);
+  }
+
   // max / mean CTA load of the serpentine for chunk size k, a tile costing its key tiles + 1.5
   static double imbalance(int k, int blocks_q, int heads, int grid, int rows_q, int block_q,
                           int block_kv, int seq_k) {
@@ -264,15 +278,8 @@ struct ChunkedSerpentineScheduler {
     for (long t = 0; t < n; ++t) {
       long const r = t / grid, j = t - r * grid;
       int const cta = int((r & 1) ? grid - 1 - j : j);
-      int m;
-      if (k == 0) {
-        m = int(t % blocks_q);
-      } else {
-        long const c = t / (long(k) * blocks_q);
-        long const u = t - c * long(k) * blocks_q;
-        long const kc = heads - c * k < k ? heads - c * k : k;
-        m = blocks_q - 1 - int(u / kc);
-      }
+      int m = int(t % blocks_q), rest;
+      if (k != 0) chunked_tile(int(t), k, blocks_q, heads, m, rest);
       double const w = cost(m);
       load[cta] += w;
       total += w;
@@ -352,14 +359,7 @@ struct ChunkedSerpentineScheduler {
     if (params.chunk == 0) {
       params.divmod_m_block(rest, m, tile);
     } else {
-      int const per_chunk = params.chunk * params.blocks_q;
-      int const c = tile / per_chunk;
-      int const u = tile - c * per_chunk;
-      int const left = params.heads - c * params.chunk;
-      int const kc = left < params.chunk ? left : params.chunk;
-      int const r = u / kc;
-      m = params.blocks_q - 1 - r;
-      rest = c * params.chunk + (u - r * kc);
+      chunked_tile(tile, params.chunk, params.blocks_q, params.heads, m, rest);
     }
     params.divmod_b(h, b, rest);
     return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
