@@ -228,26 +228,21 @@ struct SerpentineScheduler {
 // cost model of key tiles per block. Listing the blocks of each chunk of K heads heaviest first
 // (K heads' K/V in L2 at once) evens that out to ~1.03 at K = 32, and is much worse than the plain
 // order at other shapes; so the host simulates the serpentine for each K that keeps a chunk's
-// K/V under kChunkBytes and takes the best, K = 0 (the plain order) included.
-struct ChunkedSerpentineScheduler {
-  struct Params {
-    int num_blocks;
-    int grid;
+// K/V under kChunkBytes and takes the best, K = 0 (the plain order) included. The rounds, grid
+// and tile index are the serpentine's own (inherited); only the tile's coordinates differ.
+struct ChunkedSerpentineScheduler : SerpentineScheduler {
+  struct Params : SerpentineScheduler::Params {
     int blocks_q;
     int heads;  // mode 0 x mode 1 (heads x batch)
     int chunk;  // K; 0: the plain serpentine order
-    cutlass::FastDivmod divmod_m_block;
-    cutlass::FastDivmod divmod_b;
   };
 
   static constexpr double kChunkBytes = 24.0 * 1024 * 1024;
 
-  Params params;
-  int round = 0;
-  int tile;
+  int blocks_q, heads, chunk;
 
   CUTLASS_DEVICE explicit ChunkedSerpentineScheduler(Params const& p)
-      : params(p), tile(SerpentineScheduler::index(0)) {}
+      : SerpentineScheduler(p), blocks_q(p.blocks_q), heads(p.heads), chunk(p.chunk) {}
 
   // Tile `tile` of the chunked order (chunk > 0): its query block (heaviest first within the
   // chunk) and its head (mode 0 x mode 1 index); shared by the device and the host's simulation
@@ -289,23 +284,17 @@ struct ChunkedSerpentineScheduler {
     return most * grid / total;
   }
 
+  // The serpentine's own parameters (blocks, grid), plus the chunk the host simulation picks
   template <class ProblemSize, class ClusterShape, class TileShape>
   static Params to_underlying_arguments(ProblemSize const& ps, cutlass::KernelHardwareInfo hw,
-                                        ClusterShape const&, TileShape const&) {
-    int const block_q = int(cute::get<0>(TileShape{}));
-    int const block_kv = int(cute::get<1>(TileShape{}));
-    int const rows_q = int(cute::get<2>(ps));
-    int const seq_k = int(cute::get<3>(ps));
-    int const blocks_q = cute::ceil_div(rows_q, block_q);
-    int const heads = int(cute::get<0>(ps)) * int(cute::get<1>(ps));
-    int const num_blocks = blocks_q * heads;
-    int const sms = hw.sm_count > 0 ? hw.sm_count : 1;
-    int const grid = num_blocks < sms ? num_blocks : sms;
-    int const head_dim = int(cute::get<4>(ps));
-    int const chunk =
-        choose_chunk({blocks_q, heads, grid, rows_q, seq_k, head_dim, block_q, block_kv});
-    return Params{num_blocks, grid, blocks_q, heads, chunk, cutlass::FastDivmod(blocks_q),
-                  cutlass::FastDivmod(int(cute::get<0>(ps)))};
+                                        ClusterShape const& cluster, TileShape const& tile) {
+    Params p{SerpentineScheduler::to_underlying_arguments(ps, hw, cluster, tile), 0, 0, 0};
+    p.blocks_q = p.divmod_m_block.divisor;
+    p.heads = p.num_blocks / p.blocks_q;
+    p.chunk = choose_chunk({p.blocks_q, p.heads, p.grid, int(cute::get<2>(ps)),
+                            int(cute::get<3>(ps)), int(cute::get<4>(ps)),
+                            int(cute::get<0>(TileShape{})), int(cute::get<1>(TileShape{}))});
+    return p;
   }
 
   struct Shape {
@@ -350,25 +339,16 @@ struct ChunkedSerpentineScheduler {
     return chunk;
   }
 
-  static dim3 get_grid_shape(Params const& params) { return dim3(params.grid, 1, 1); }
-
-  CUTLASS_DEVICE bool is_valid() const { return tile < params.num_blocks; }
-
+  // Hides the serpentine's: the kernel calls this through the derived type (no virtuals)
   CUTLASS_DEVICE auto get_block_coord() const {
     int rest, m, b, h;
-    if (params.chunk == 0) {
+    if (chunk == 0) {
       params.divmod_m_block(rest, m, tile);
     } else {
-      chunked_tile(tile, params.chunk, params.blocks_q, params.heads, m, rest);
+      chunked_tile(tile, chunk, blocks_q, heads, m, rest);
     }
     params.divmod_b(h, b, rest);
     return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
-  }
-
-  CUTLASS_DEVICE ChunkedSerpentineScheduler& operator++() {
-    ++round;
-    tile = SerpentineScheduler::index(round);
-    return *this;
   }
 };
 
