@@ -44,6 +44,28 @@ SHAPES: list[dict[str, Any]] = [
     {"name": "b8_s2048_q32_kv8_h128_gqa", "b": 8, "s": 2048, "n": 32, "h": 128, "n_kv": 8},
     {"name": "b32_s256_q16_kv4_h64_gqa", "b": 32, "s": 256, "n": 16, "h": 64, "n_kv": 4},
     {"name": "b16_s256_n12_h64", "b": 16, "s": 256, "n": 12, "h": 64},
+    # session 11: the classes whose kernels changed (three-warpgroup causal and head dim 256 with
+    # our first-block softmax; one short head-dim-128 sequence in 64-row tiles) and Llama-3-8B's
+    # attention over one 1024-token prompt
+    {
+        "name": "b8_s2048_n16_h64_causal",
+        "b": 8,
+        "s": 2048,
+        "n": 16,
+        "h": 64,
+        "causal": "BottomRight",
+    },
+    {"name": "b4_s2048_n8_h256", "b": 4, "s": 2048, "n": 8, "h": 256},
+    {"name": "b1_s512_n16_h128", "b": 1, "s": 512, "n": 16, "h": 128},
+    {
+        "name": "b1_s1024_q32_kv8_h128_gqa_causal",
+        "b": 1,
+        "s": 1024,
+        "n": 32,
+        "h": 128,
+        "n_kv": 8,
+        "causal": "BottomRight",
+    },
 ]
 
 WAYS: dict[str, dict[str, Any]] = {

@@ -205,6 +205,19 @@ CASES: list[Case] = [
         256,
         {"dtype": "bfloat16", "causal": "TopLeft"},
     ),
+    # session 11: one short sequence at head dim 128 in one wave of 64-row tiles (the
+    # non-warp-specialized TMA kernel), ragged, and its bf16 causal sibling
+    Case("split_fp16_s500_h128_tiny", "stacked", 1, 500, 16, 128, 128),
+    Case(
+        "split_bf16_s512_h128_tiny_causal",
+        "stacked",
+        1,
+        512,
+        16,
+        128,
+        128,
+        {"dtype": "bfloat16", "causal": "BottomRight"},
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -233,6 +246,8 @@ HOPPER_CASES = (
     "split_fp16_s1000_h64_causal",
     "split_fp16_s1100_h256",
     "split_bf16_s600_h256_causal",
+    "split_fp16_s500_h128_tiny",
+    "split_bf16_s512_h128_tiny_causal",
 )
 
 

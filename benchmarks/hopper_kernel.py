@@ -177,6 +177,11 @@ def catalog() -> list[Slot]:
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
     add(f16, "overlapc_128x64", "TopLeft@256", _HEADS_256, [], [(8, 8, 256)])
     add(b16, "overlapc_128x64", "none@256", _HEADS_256)
+    # head dim 128 in 64-row tiles: one wave of them for single short sequences (session 11)
+    add(f16, "tma1_64x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [(16, 4, 128)], [h128])
+    add(f16, "tma1_64x128", "TopLeft", [h128, (32, 8, 128)], [(16, 4, 128)], [h128])
+    add(f16, "tma1_64x128", "BottomRight", [], [h128, (16, 4, 128)])
+    add(b16, "tma1_64x128", "none", [h128], [(16, 4, 128)])
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
 
@@ -484,12 +489,24 @@ SHORT_SHAPES = [
 ]
 
 
+#: head dim 128 at up to 1024 keys and fewer than two waves of 128-row tiles (``run --shapes
+#: h128``): short prompts and single sequences of Llama-class models, where the example's
+#: persistent kernels trailed cuDNN by 4-12% (sweep runs 8, 25, 54)
+H128_SHAPES = [
+    *(sh for sh in SWEEP_SHAPES if sh[5] == 128),
+    ("b2_s512_n16_h128", 2, 512, 16, 16, 128, False, "float16"),  # 128 tiles: 2 waves of 64 rows
+    ("b1_s1024_n32_h128", 1, 1024, 32, 32, 128, False, "float16"),  # Llama-2-7B, one prompt
+    ("b1_s1024_q32_kv8_h128_gqa_causal", 1, 1024, 32, 8, 128, True, "float16"),  # Llama-3-8B
+]
+
+
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
-    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_SHAPES / SHORT_SHAPES when
-    HOPPER_BENCH_SHAPES is sweep / short (set by ``run --shapes``; the worker processes
+    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_SHAPES when
+    HOPPER_BENCH_SHAPES is sweep / short / h128 (set by ``run --shapes``; the worker processes
     inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
-    return {"sweep": SWEEP_SHAPES, "short": SHORT_SHAPES}.get(chosen or "", BENCH_SHAPES)
+    table = {"sweep": SWEEP_SHAPES, "short": SHORT_SHAPES, "h128": H128_SHAPES}
+    return table.get(chosen or "", BENCH_SHAPES)
 
 
 def _setup_runtime() -> tuple[Any, Any]:
@@ -1339,9 +1356,9 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=["main", "sweep", "short"],
+        choices=["main", "sweep", "short", "h128"],
         default="main",
-        help="BENCH_, SWEEP_ or SHORT_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_ or H128_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)

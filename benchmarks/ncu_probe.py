@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hopper_kernel import (
     BENCH_SHAPES,
+    H128_SHAPES,
     LIB_NAME,
     SHORT_SHAPES,
     SWEEP_SHAPES,
@@ -27,7 +28,7 @@ from hopper_kernel import (
     _setup_runtime,
 )
 
-ALL_SHAPES = {s[0]: s for s in (*BENCH_SHAPES, *SWEEP_SHAPES, *SHORT_SHAPES)}
+ALL_SHAPES = {s[0]: s for s in (*BENCH_SHAPES, *SWEEP_SHAPES, *SHORT_SHAPES, *H128_SHAPES)}
 
 
 def main() -> int:

@@ -65,12 +65,21 @@ class Variant:
     options: tuple[str, ...] = ()
     #: most keys the variant takes (checked again at run time); None: any
     max_seq_kv: int | None = None
+    #: most CTAs (query tiles x heads x batch) of a launch the variant is offered for: a choice
+    #: from measurements, not a limit of the kernel; None: any
+    max_ctas: int | None = None
 
     def takes(self, spec: AttentionSpec) -> bool:
-        """Whether ``spec``'s key length is known to fit (a dynamic one does not)."""
-        if self.max_seq_kv is None:
+        """Whether ``spec``'s key length is known to fit (a dynamic one does not), and its
+        launch is known to be no larger than ``max_ctas``."""
+        if self.max_seq_kv is not None and not (
+            isinstance(spec.seq_kv, int) and spec.seq_kv <= self.max_seq_kv
+        ):
+            return False
+        if self.max_ctas is None:
             return True
-        return isinstance(spec.seq_kv, int) and spec.seq_kv <= self.max_seq_kv
+        ctas = _ctas(spec, self.block_q)
+        return ctas is not None and ctas <= self.max_ctas
 
     @property
     def kind(self) -> str:
@@ -85,6 +94,8 @@ class Variant:
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
         if any(o in self.options for o in _LAZY):
             words += ", O rescaled only when a row maximum grows by more than 2^8"
+        if self.max_ctas is not None:
+            words += f", for launches of at most {self.max_ctas} CTAs (one wave)"
         return words
 
     def words(self, causal: bool) -> str:
@@ -131,6 +142,9 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("tma_64x128", _TMA, 64, 128),
         Variant("tmaB_64x128", _TMA, 64, 128, _BATCH_MAJOR),
+        # the same kernel, offered for head dim 128 only while its 64-row tiles fit in one wave
+        # of the H200's 132 SMs: twice the CTAs of a 128-row launch that leaves SMs idle
+        Variant("tma1_64x128", _TMA, 64, 128, max_ctas=132),
         # ours: the whole key range (at most 128 or 256 keys) in shared memory, 64 query rows
         # per CTA, wgmma ("w"; session 4's mma.sync short_* kernels are gone, slower everywhere)
         Variant("shortw_64x128", _SHORT, 64, 128, max_seq_kv=128),
@@ -187,7 +201,13 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortw_64x128",
         "shortw_64x256",
     ),
-    128: ("overlap_128x128", "pingpong_128x128", "coop_128x128", "pingpongB_128x128"),
+    128: (
+        "overlap_128x128",
+        "pingpong_128x128",
+        "coop_128x128",
+        "pingpongB_128x128",
+        "tma1_64x128",
+    ),
     256: ("overlapc_128x64", "coop_128x64"),
 }
 
@@ -261,8 +281,12 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # 12.6 vs 12.3 us, run 25)
     (128, False, "small"): "pingpong_128x128",  # B16 S256 N16: 25.8 us vs coop 34.0 (run 8)
     (128, True, "small"): "pingpong_128x128",  # B16 S256 N16 causal: 25.1 vs coop 32.2
-    (128, False, "tiny"): "pingpong_128x128",  # B1 S512 N16: 11.49 us vs coop 11.57
-    (128, True, "tiny"): "pingpong_128x128",  # B1 S512 N16 causal: 12.27 vs coop 12.35
+    # B1 S512 N16 (64 tiles of 128 rows, half the SMs idle): 128 CTAs of 64 rows, tma1_64x128
+    # 10.4 us vs pingpong_128x128 11.5 (cuDNN 11.1; runs 66, 67); causal 10.5-10.6 vs 12.2-12.3
+    # (cuDNN 11.7-11.8). Past one wave of 64-row tiles it is not offered (B2 S512 N16: 19.4 vs
+    # 12.5, run 67) and ping-pong takes the launch (before: 11.49 vs coop 11.57, run 8)
+    (128, False, "tiny"): ("tma1_64x128", "pingpong_128x128"),
+    (128, True, "tiny"): ("tma1_64x128", "pingpong_128x128"),
     # Head dim 256: overlapc_128x64 (overlapped mainloop, lazy rescale) vs coop_128x64 (the only
     # variant until session 10), us. B4 S2048 N8: 199.3 / 197.9 vs 210.5 / 210.5, overlapc
     # without the lazy rescale 212.3 / 212.0 (cuDNN 207.3 / 208.7; runs 50-51); 197.1 / 198.1 vs

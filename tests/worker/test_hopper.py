@@ -135,8 +135,9 @@ def test_selection_covers_every_shape_class() -> None:
                 choice = hopper.SELECTION[(tile, causal, size)]
                 prefs = (choice,) if isinstance(choice, str) else choice
                 assert all(p in hopper._BY_HEAD_DIM[tile] for p in prefs)
-                # a preference list ends in a variant that takes any key length
+                # a preference list ends in a variant that takes any key length and launch
                 assert hopper.VARIANTS[prefs[-1]].max_seq_kv is None
+                assert hopper.VARIANTS[prefs[-1]].max_ctas is None
 
 
 def test_short_sequence_variant_only_where_every_key_fits() -> None:
@@ -198,6 +199,21 @@ def test_shape_classes_follow_the_measurements() -> None:
     # short head-dim-32 launches take ping-pong, the cooperative kernel lost by 23-35% (run 29)
     assert hopper.variants(stacked(h=32))[0] == "overlap_128x128"
     assert hopper.variants(stacked(h=32, causal="TopLeft"))[0] == "pingpong_128x128"
+    # head dim 128, one short sequence (B1 S512 N16: 64 tiles of 128 rows leave half the SMs
+    # idle): 128 CTAs of 64 rows (10.4 vs 11.5 us, runs 66-67), but only in one wave (B2 S512:
+    # 19.4 vs 12.5 us), and a dynamic batch counts as large
+    one = stacked(batch=1, seq=512, h=128)
+    assert hopper.shape_class(one) == (128, False, "tiny")
+    assert hopper.variants(one)[0] == "tma1_64x128"
+    assert hopper.variants(stacked(batch=1, seq=500, h=128, causal="BottomRight"))[0] == (
+        "tma1_64x128"
+    )
+    two = stacked(batch=2, seq=512, h=128)
+    assert hopper.shape_class(two) == (128, False, "tiny")
+    assert hopper.pick(two) == "pingpong_128x128"
+    assert "tma1_64x128" not in hopper.variants(two)
+    assert "tma1_64x128" not in hopper.variants(stacked(batch=DYNAMIC, seq=512, h=128))
+    assert "one wave" in hopper.VARIANTS["tma1_64x128"].kind
     assert hopper.variants(stacked(batch=16, seq=256, h=32))[0] == "pingpong_128x128"
     # long causal head dim 64: three warpgroups, each computing only the key tiles its rows
     # see (195-198 vs ping-pong's 200-202 us, runs 42-44), their tiles handed out heaviest
