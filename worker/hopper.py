@@ -292,7 +292,10 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # without the lazy rescale 212.3 / 212.0 (cuDNN 207.3 / 208.7; runs 50-51); 197.1 / 198.1 vs
     # 210.9 / 211.2 (cuDNN 208.1 / 208.5; runs 52-53). Sweep (run 54, cuDNN in brackets): B4
     # S2048 N8 causal 145.4 vs 156.1 (152.9); B16 S256 N8 28.0 vs 28.8 (26.5), causal 27.6 vs
-    # 28.2 (25.4); B1 S1024 N8 27.3 vs 28.1 (27.9), causal 26.5 vs 28.5 (28.2).
+    # 28.2 (25.4); B1 S1024 N8 27.3 vs 28.1 (27.9), causal 26.5 vs 28.5 (28.2). Run 71 (session
+    # 11, overlapc's first key tile through our own softmax): B4 S2048 N8 causal 144.4 vs 153.7
+    # (151.4); B16 S256 N8 27.9 vs 28.8 (26.2), causal 27.2 vs 28.3 (25.3); B1 S1024 N8 25.8 vs
+    # 28.0 (28.1), causal 26.2 vs 28.4 (28.3).
     (256, False, "large"): "overlapc_128x64",
     (256, True, "large"): "overlapc_128x64",
     (256, False, "small"): "overlapc_128x64",
