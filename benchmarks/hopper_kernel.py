@@ -184,6 +184,7 @@ def catalog() -> list[Slot]:
     add(b16, "tma1_64x128", "none", [h128], [(16, 4, 128)])
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
+    add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
 
     from worker.hopper import VARIANTS
 
