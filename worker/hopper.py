@@ -134,6 +134,9 @@ _LAZY = ("stackfuse::hopper::LazyRescale",)
 _CHUNKED = ("stackfuse::hopper::ChunkedOrder",)
 
 
+#: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
+SMS = 132
+
 #: every variant, by name; "tma" is the non-warp-specialized kernel (2 CTAs per SM),
 #: "coop" two consumer warpgroups sharing one CTA tile, "pingpong" the persistent version of it
 #: with Q loaded by its own producer warp.
@@ -143,8 +146,8 @@ VARIANTS: dict[str, Variant] = {
         Variant("tma_64x128", _TMA, 64, 128),
         Variant("tmaB_64x128", _TMA, 64, 128, _BATCH_MAJOR),
         # the same kernel, offered for head dim 128 only while its 64-row tiles fit in one wave
-        # of the H200's 132 SMs: twice the CTAs of a 128-row launch that leaves SMs idle
-        Variant("tma1_64x128", _TMA, 64, 128, max_ctas=132),
+        # of the H200's SMs: twice the CTAs of a 128-row launch that leaves SMs idle
+        Variant("tma1_64x128", _TMA, 64, 128, max_ctas=SMS),
         # ours: the whole key range (at most 128 or 256 keys) in shared memory, 64 query rows
         # per CTA, wgmma ("w"; session 4's mma.sync short_* kernels are gone, slower everywhere)
         Variant("shortw_64x128", _SHORT, 64, 128, max_seq_kv=128),
@@ -305,9 +308,9 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
 }
 
 #: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)
-TINY_CTAS = 132
+TINY_CTAS = SMS
 #: CTAs below which a launch counts as "small" (about two waves of the H200's 132 SMs)
-SMALL_CTAS = 264
+SMALL_CTAS = 2 * SMS
 #: key lengths up to which a launch counts as "small" too: one or two key tiles per CTA, where
 #: per-CTA fixed costs dominate (BERT-base, 384 CTAs: 128-row tiles 12.0 us, 192-row 13.4 us)
 SHORT_SEQ_KV = 256
