@@ -46,6 +46,7 @@
 #include "kernel/fmha_kernel_builder.hpp"
 
 #include "hopper_api.h"
+#include "hopper_kernel_ws.cuh"
 #include "hopper_overlap.cuh"
 #include "hopper_short.cuh"
 
@@ -500,11 +501,10 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
                    Fusion, Options...>,
       kHeads0>;
   using Epilogue =
-      cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
+      WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV, Options...>;
   using Scheduler = std::conditional_t<kCausal, HeavyFirstScheduler,
                                        cutlass::fmha::kernel::IndividualTileScheduler>;
-  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue,
-                                                                     Scheduler, Options...>;
+  using Kernel = WarpSpecializedKernel<Mainloop, Epilogue, Scheduler, Options...>;
 };
 
 // Ping-pong: the cooperative kernel made persistent with Q loaded by its own warp, as the
@@ -526,13 +526,13 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
                    Fusion, Options...>,
       kHeads0>;
   using Epilogue =
-      cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
+      WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV, Options...>;
   using Scheduler = std::conditional_t<
       kCausal,
       std::conditional_t<kChunked<Options...>, ChunkedSerpentineScheduler, SerpentineScheduler>,
       BalancedPersistentScheduler>;
-  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, Scheduler, Options..., Persistent, QSeparately>;
+  using Kernel = WarpSpecializedKernel<Mainloop, Epilogue, Scheduler, Options..., Persistent,
+                                       QSeparately>;
 };
 
 // Our short-sequence kernel (hopper_short.cuh) as a schedule: no CUTLASS kernel type.

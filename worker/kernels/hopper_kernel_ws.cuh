@@ -1,0 +1,412 @@
+// The warp-specialized kernel of the Hopper FMHA example (examples/88_hopper_fmha, CUTLASS 4.2)
+// with an epilogue of our own, so that the consumer warpgroups' epilogues run out of turn.
+//
+// Why: the example's `FmhaKernelTmaWarpSpecialized` means to take the warpgroups' turn order
+// around the epilogue only with the `kIsEpilogueLocked` option, but its lines read
+// `if constexpr (kIsEpilogueLocked) ; math_wg_order_barrier.wait();` (a stray semicolon), so
+// every epilogue waits its turn. The turn order (warpgroup 0, 1, ..., 0, 1, ...) is shared with
+// the first `Q K^T` of each tile, so in the persistent kernels warpgroup 0 cannot start its next
+// tile before the last warpgroup has finished its epilogue: every tile pays for the epilogues
+// (conversion, shared-memory stores, barriers, TMA stores and their wait) with the tensor cores
+// idle. With a tile of only two key blocks (B16 S256 at head dim 128) that is a large share of
+// the tile; Nsight Compute put 23% of the consumer warps' stall samples in the tail and epilogue
+// (docs/hopper-kernel.md, session 11). The turn cannot simply be dropped: CUTLASS's collective
+// epilogue syncs every warpgroup on one named barrier (`EpilogueBarrier`), so two epilogues at
+// once would race (session 8).
+//
+// `OwnEpilogue` stores a warpgroup's whole O tile with one TMA store from shared memory of its
+// own (in the persistent kernels; the others alias it with the warpgroup's finished Q stage, as
+// the example's epilogue does), syncs on a named barrier of its own, and does not wait for the
+// store: the next tile's epilogue waits before it writes the buffer again, and the kernel waits
+// once before it exits. No `alpha * acc` (the example's linear combination with alpha 1).
+// `WarpSpecializedKernel` derives from the example's kernel (types, Params, shared storage,
+// grid: the example's) and replaces only `operator()`, which follows the example's
+// (BSD-3-Clause, Copyright (c) 2024 - 2025 NVIDIA CORPORATION & AFFILIATES) line by line except
+// for the epilogue's turn and the final wait.
+//
+// Measured on an H200 (runs 73-74, docs/hopper-kernel.md, session 12): the example's ping-pong
+// mainloop 2-6% faster with it (B8 S2048 N16 H128 causal 245.4 / 249.2 vs 252.6 / 256.5 us,
+// B16 S256 N16 25.0 vs 25.5-25.6, B1 S512 N16 10.9 vs 11.4-11.6), the cooperative head-dim-256
+// kernel 0.4-2%. Our overlapped mainloop lost without the turn (up to 18%: B8 S2048 N16 H32
+// 308.1 vs 259.9 us), so those kernels keep the example's epilogue in turn (`ExampleEpilogue`).
+#pragma once
+
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "cutlass/numeric_conversion.h"
+#include "collective/fmha_epilogue.hpp"
+#include "kernel/fmha_kernel_tma_warpspecialized.hpp"
+
+// Experiments: 1 builds every warp-specialized kernel with the example's epilogue in turn, 2 with
+// ours in turn; 0 (default): as the kernel's options say.
+#ifndef STACKFUSE_EPILOGUE_IN_TURN
+#define STACKFUSE_EPILOGUE_IN_TURN 0
+#endif
+
+namespace stackfuse {
+namespace hopper {
+
+// Option tag: the example's epilogue, in turn. For the overlapped mainloop in the persistent
+// kernels: it orders its warpgroups only at a tile's first Q K^T, and the example's epilogues in
+// turn are what stagger them at the next tile; out of turn (no stagger) it lost up to 18%, in
+// turn with our shorter epilogue 1-7% at the long head-dim-128 launches (runs 73-74,
+// docs/hopper-kernel.md, session 12).
+struct ExampleEpilogue {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1004);  // not CUTLASS's
+  using option_value = cute::true_type;
+};
+
+template <class... Options>
+inline constexpr bool kExampleEpilogue =
+    (std::is_same_v<Options, ExampleEpilogue> || ...) || (STACKFUSE_EPILOGUE_IN_TURN == 1);
+
+template <class... Options>
+inline constexpr bool kEpilogueInTurn =
+    kExampleEpilogue<Options...> || (STACKFUSE_EPILOGUE_IN_TURN == 2);
+
+// A consumer warpgroup's epilogue: LSE as the example's (`FmhaFwdEpilogue`), O in one TMA store.
+template <class Element, class ElementAccumulator, class TileShapePV>
+struct OwnEpilogue {
+  static constexpr int kM = cute::get<0>(TileShapePV{});  // rows of a warpgroup
+  static constexpr int kD = cute::get<1>(TileShapePV{});  // head dim (the tile's)
+  using StrideO = cute::tuple<int, cute::_1, cute::tuple<int, int>>;
+  using StrideLSE = cute::tuple<cute::_1, cute::tuple<int, int>>;
+  static constexpr int kRowBytes = kD * int(sizeof(Element));
+  using SmemLayoutAtomO = std::conditional_t<
+      kRowBytes % 128 == 0, cute::GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kRowBytes % 64 == 0, cute::GMMA::Layout_K_SW64_Atom<Element>,
+                         cute::GMMA::Layout_K_SW32_Atom<Element>>>;
+  using TileO = cute::Shape<cute::Int<kM>, cute::Int<kD>>;
+  using SmemLayoutO = decltype(cute::tile_to_shape(SmemLayoutAtomO{}, TileO{}));
+
+  template <class ProblemShape>
+  CUTLASS_HOST_DEVICE static auto shape_o(ProblemShape const& ps) {  // (Sq, D, (mode 0, mode 1))
+    return cute::make_shape(int(cute::get<2>(ps)), int(cute::get<4>(ps)),
+                            cute::make_shape(int(cute::get<0>(ps)), int(cute::get<1>(ps))));
+  }
+  static auto make_tma(Element* ptr, cute::tuple<int, int, cute::tuple<int, int>> const& shape,
+                       StrideO const& stride) {
+    return cute::make_tma_copy(cute::SM90_TMA_STORE{},
+                               cute::make_tensor(cute::make_gmem_ptr(ptr), shape, stride),
+                               SmemLayoutO{}, TileO{}, cute::_1{});
+  }
+  using TmaStoreO = decltype(make_tma(nullptr, {}, {}));
+
+  struct Arguments {
+    Element* ptr_O;
+    StrideO dO;
+    ElementAccumulator* ptr_LSE;
+    StrideLSE dLSE;
+  };
+  struct Params {
+    ElementAccumulator* ptr_LSE;
+    StrideLSE dLSE;
+    TmaStoreO tma_store_o;
+  };
+  struct TensorStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>, 1024> smem_o;
+  };
+  // The kernel builds an epilogue load pipeline (for C, which we do not read): the smallest one.
+  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  static constexpr int TmaTransactionBytes = 0;
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& ps, Arguments const& args,
+                                        void* = nullptr) {
+    return Params{args.ptr_LSE, args.dLSE, make_tma(args.ptr_O, shape_o(ps), args.dO)};
+  }
+
+  template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma,
+            class ProblemShape>
+  CUTLASS_DEVICE void operator()(TileShape const& tile_shape, BlkCoord const& blk_coord,
+                                 ResultTuple const& result, TiledMma const& tiled_mma,
+                                 ProblemShape const& problem_size, Params const& params,
+                                 LoadPipeline, TensorStorage& storage) {
+    using namespace cute;
+    using X = Underscore;
+    auto const& acc = get<0>(result);
+    auto const& lse = get<1>(result);
+
+    // LSE: the example's code
+    auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
+    int seqlen_q = get<2>(problem_size);
+    int num_batch = get<0>(problem_size);
+    int num_heads = get<1>(problem_size);
+    Tensor mLSE = make_tensor(
+        make_gmem_ptr(params.ptr_LSE),
+        make_shape(seqlen_q, get<1>(tile_shape), make_shape(num_batch, num_heads)),
+        make_stride(_1{}, _0{}, get<1>(params.dLSE)));
+    Tensor gLSE_full = local_tile(mLSE, tile_shape, make_coord(_, _, _), Step<_1, _1, X>{});
+    Tensor gLSE = gLSE_full(_, _, get<0>(blk_coord), get<1>(blk_coord), get<2>(blk_coord));
+    Tensor tOgLSE = thr_mma.partition_C(gLSE);
+    Tensor cO = make_identity_tensor(take<0, 2>(tile_shape));
+    Tensor tOcO = thr_mma.partition_C(cO);
+    if (get<1>(tOcO(_0{})) == 0) {
+      using cutlass::fmha::collective::layout_acc_mn;
+      auto tOgLSE_mn = make_tensor(tOgLSE.data(), layout_acc_mn(tiled_mma, tOgLSE.layout()));
+      auto tOcO_mn = make_tensor(tOcO.data(), layout_acc_mn(tiled_mma, tOcO.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(tOgLSE_mn); i++) {
+        if (get<0>(tOcO_mn(i)) + get<0>(blk_coord) * get<0>(tile_shape) < seqlen_q) {
+          tOgLSE_mn(i, _0{}) = lse(i);
+        }
+      }
+    }
+
+    // O: registers -> Element -> shared memory (stmatrix) -> one TMA store, which clips rows
+    // past Sq and columns past the head dim
+    constexpr int kValues = decltype(size(acc))::value;
+    Tensor tOrO = make_tensor_like<Element>(acc);
+    cutlass::NumericArrayConverter<Element, ElementAccumulator, kValues> convert;
+    *reinterpret_cast<cutlass::Array<Element, kValues>*>(raw_pointer_cast(tOrO.data())) =
+        convert(*reinterpret_cast<cutlass::Array<ElementAccumulator, kValues> const*>(
+            raw_pointer_cast(acc.data())));
+
+    int const thread_idx = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
+    // a named barrier per warpgroup: user id = warpgroup index 1-3 (hardware ids 9-11, after
+    // CUTLASS's reserved ones; nothing else in these kernels uses named barriers)
+    int const barrier = cutlass::canonical_warp_group_idx();
+    bool const leader = thread_idx == 0;
+    Tensor sO = make_tensor(make_smem_ptr(storage.smem_o.data()), SmemLayoutO{});
+    auto tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
+    auto thr_copy = tiled_copy.get_thread_slice(thread_idx);
+    Tensor tRs = thr_copy.retile_S(tOrO);
+    Tensor tSs = thr_copy.partition_D(sO);
+
+    if (leader) tma_store_wait<0>();  // the previous tile's store has read the buffer
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
+    copy(tiled_copy, tRs, tSs);
+    cutlass::arch::fence_view_async_shared();  // visible to the TMA unit
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
+    if (leader) {
+      Tensor mO = params.tma_store_o.get_tma_tensor(shape_o(problem_size));
+      Tensor gO = local_tile(mO(_, _, get<2>(blk_coord)), TileO{},
+                             make_coord(get<0>(blk_coord), _0{}));
+      auto cta_tma = params.tma_store_o.get_slice(_0{});
+      copy(params.tma_store_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
+      tma_store_arrive();
+    }
+  }
+};
+
+// Before the CTA exits, its last stores must have read shared memory: ours leaves them in
+// flight; the example's epilogue waits for its own.
+template <class Epilogue>
+CUTLASS_DEVICE void finish_stores(Epilogue const*) {}
+template <class Element, class ElementAccumulator, class TileShapePV>
+CUTLASS_DEVICE void finish_stores(OwnEpilogue<Element, ElementAccumulator, TileShapePV> const*) {
+  cute::tma_store_wait<0>();
+}
+
+// The warp-specialized kernels' epilogue: ours, or the example's (ExampleEpilogue)
+template <class Element, class TileShapePV, class... Options>
+using WarpSpecializedEpilogue =
+    std::conditional_t<kExampleEpilogue<Options...>,
+                       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, TileShapePV>,
+                       OwnEpilogue<Element, float, TileShapePV>>;
+
+template <class CollectiveMainloop, class CollectiveEpilogue, class TileScheduler,
+          class... Options>
+struct WarpSpecializedKernel
+    : cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<CollectiveMainloop, CollectiveEpilogue,
+                                                          TileScheduler, Options...> {
+  using Base = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+      CollectiveMainloop, CollectiveEpilogue, TileScheduler, Options...>;
+  using typename Base::ClusterShape;
+  using typename Base::MainloopPipelineInner;
+  using typename Base::MainloopPipelineOuter;
+  using typename Base::MainloopPipelineReducer;
+  using typename Base::MathWarpGroupOrderBarrier;
+  using typename Base::Params;
+  using typename Base::PipelineParamsInner;
+  using typename Base::PipelineParamsOuter;
+  using typename Base::PipelineParamsReducer;
+  using typename Base::PipelineStateInner;
+  using typename Base::PipelineStateOuter;
+  using typename Base::PipelineStateReducer;
+  using typename Base::SharedStorage;
+  static constexpr int NumMmaWarpGroups = Base::NumMmaWarpGroups;
+  static constexpr bool kLoadsQSeparately = Base::kLoadsQSeparately;
+  static constexpr bool kEpilogueInTurn =
+      Base::kIsEpilogueLocked || stackfuse::hopper::kEpilogueInTurn<Options...>;
+  static_assert(Base::SharedStorageSize <= 227 * 1024, "shared storage above the H200's 227 KB");
+
+  CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
+#if defined(CUTLASS_ARCH_MMA_SM90A_ENABLED)
+    using namespace cute;
+    enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2, Consumer2 = 3 };
+    enum class ProducerWarpRole { Reducer = 0, LoadKV = 1, MaybeLoadQ = 2, MainloopEpilogue = 3 };
+    static_assert(NumMmaWarpGroups <= 3);
+    static constexpr ProducerWarpRole WarpRoleLoadQ =
+        kLoadsQSeparately ? ProducerWarpRole::MaybeLoadQ : ProducerWarpRole::LoadKV;
+
+    TileScheduler tile_scheduler{params.tile_scheduler};
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+
+    int warp_idx = cutlass::canonical_warp_idx_sync();
+    int warp_idx_in_warp_group = warp_idx % cutlass::NumWarpsPerWarpGroup;
+    int warp_group_idx = cutlass::canonical_warp_group_idx();
+    auto warp_group_role = WarpGroupRole(warp_group_idx);
+    auto producer_warp_role = ProducerWarpRole(warp_idx_in_warp_group);
+    int consumer_warp_group_idx = warp_group_idx - (int)WarpGroupRole::Consumer0;
+    int lane_predicate = cute::elect_one_sync();
+    uint32_t block_rank_in_cluster = cute::block_rank_in_cluster();
+    bool const is_consumer = warp_group_role != WarpGroupRole::Producer;
+
+    if ((warp_idx == 0) && lane_predicate) {
+      CollectiveMainloop::prefetch_tma_descriptors(params.mainloop);
+    }
+
+    PipelineParamsOuter pipeline_params_outer;
+    pipeline_params_outer.transaction_bytes = CollectiveMainloop::kOuterLoadBytes;
+    pipeline_params_outer.is_leader = lane_predicate && (producer_warp_role == WarpRoleLoadQ);
+    pipeline_params_outer.num_consumers = cutlass::NumThreadsPerWarpGroup;
+
+    PipelineParamsInner pipeline_params_inner;
+    pipeline_params_inner.transaction_bytes = CollectiveMainloop::kInnerLoadBytes;
+    pipeline_params_inner.is_leader =
+        lane_predicate && (producer_warp_role == ProducerWarpRole::LoadKV);
+    pipeline_params_inner.num_consumers = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+
+    PipelineParamsReducer pipeline_params_reducer;
+    pipeline_params_reducer.producer_arv_count = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+    pipeline_params_reducer.consumer_arv_count = cutlass::NumThreadsPerWarp;
+
+    using EpiLoadPipeline = typename CollectiveEpilogue::LoadPipeline;
+    typename EpiLoadPipeline::Params epi_load_pipeline_params;
+
+    if (!is_consumer) {
+      if (producer_warp_role == ProducerWarpRole::MainloopEpilogue) {
+        epi_load_pipeline_params.role = EpiLoadPipeline::ThreadCategory::Producer;
+      }
+      if (producer_warp_role == ProducerWarpRole::LoadKV) {
+        pipeline_params_inner.role = MainloopPipelineInner::ThreadCategory::Producer;
+      }
+      if (producer_warp_role == WarpRoleLoadQ) {
+        pipeline_params_outer.role = MainloopPipelineOuter::ThreadCategory::Producer;
+      }
+      if (producer_warp_role == ProducerWarpRole::Reducer) {
+        pipeline_params_reducer.role = MainloopPipelineReducer::ThreadCategory::Consumer;
+      }
+    } else {
+      pipeline_params_inner.role = MainloopPipelineInner::ThreadCategory::Consumer;
+      pipeline_params_outer.role = MainloopPipelineOuter::ThreadCategory::Consumer;
+      pipeline_params_reducer.role = MainloopPipelineReducer::ThreadCategory::Producer;
+      epi_load_pipeline_params.role = EpiLoadPipeline::ThreadCategory::Consumer;
+    }
+
+    MainloopPipelineOuter pipeline_outer(storage.pipeline_storage_outer, pipeline_params_outer,
+                                         Shape<_1, _1, _1>{});
+    MainloopPipelineInner pipeline_inner(storage.pipeline_storage_inner, pipeline_params_inner,
+                                         ClusterShape{});
+    MainloopPipelineReducer pipeline_reducer(storage.pipeline_storage_reducer,
+                                             pipeline_params_reducer);
+
+    PipelineStateInner smem_pipe_read_inner;
+    PipelineStateInner smem_pipe_write_inner =
+        cutlass::make_producer_start_state<MainloopPipelineInner>();
+    PipelineStateOuter smem_pipe_read_outer;
+    PipelineStateOuter smem_pipe_write_outer =
+        cutlass::make_producer_start_state<MainloopPipelineOuter>();
+    PipelineStateReducer smem_pipe_read_reducer;
+    PipelineStateReducer smem_pipe_write_reducer =
+        cutlass::make_producer_start_state<MainloopPipelineReducer>();
+
+    typename MathWarpGroupOrderBarrier::Params params_math_wg_order_barrier;
+    params_math_wg_order_barrier.group_id = consumer_warp_group_idx;
+    params_math_wg_order_barrier.group_size = cutlass::NumThreadsPerWarpGroup;
+    MathWarpGroupOrderBarrier math_wg_order_barrier(storage.math_wg_order,
+                                                    params_math_wg_order_barrier);
+
+    epi_load_pipeline_params.dst_blockid = cute::block_rank_in_cluster();
+    epi_load_pipeline_params.producer_arv_count = cutlass::NumThreadsPerWarp;
+    epi_load_pipeline_params.consumer_arv_count = cutlass::NumThreadsPerWarpGroup;
+    epi_load_pipeline_params.transaction_bytes = CollectiveEpilogue::TmaTransactionBytes;
+    EpiLoadPipeline epi_load_pipeline(storage.epi_load, epi_load_pipeline_params);
+
+    if constexpr (kLoadsQSeparately) {
+      if ((warp_idx == 0) && lane_predicate) {
+        storage.load_warp_barrier.init(2 * cutlass::NumThreadsPerWarp);
+      }
+      cutlass::arch::fence_barrier_init();
+    }
+
+    if constexpr (size(ClusterShape{}) > 1) {
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+    } else {
+      __syncthreads();
+    }
+
+    CollectiveMainloop collective_mainloop;
+
+    if (!is_consumer) {
+      cutlass::arch::warpgroup_reg_dealloc<Base::LoadRegisterRequirement>();
+      if (producer_warp_role == ProducerWarpRole::LoadKV) {
+        bool do_barrier = kLoadsQSeparately;
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (; tile_scheduler.is_valid(); ++tile_scheduler) {
+          auto blk_coord = tile_scheduler.get_block_coord();
+          collective_mainloop.template load_kv_maybe_q<!kLoadsQSeparately>(
+              block_rank_in_cluster, blk_coord, params.mainloop, params.problem_size,
+              pipeline_inner, smem_pipe_write_inner, pipeline_outer, smem_pipe_write_outer,
+              storage.tensors.mainloop, storage.load_warp_barrier, do_barrier);
+          do_barrier = false;
+        }
+      } else if (kLoadsQSeparately && (producer_warp_role == ProducerWarpRole::MaybeLoadQ)) {
+        bool do_barrier = true;
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (; tile_scheduler.is_valid(); ++tile_scheduler) {
+          auto blk_coord = tile_scheduler.get_block_coord();
+          collective_mainloop.load_maybe_q(blk_coord, params.mainloop, params.problem_size,
+                                           pipeline_outer, smem_pipe_write_outer,
+                                           storage.tensors.mainloop, storage.load_warp_barrier,
+                                           do_barrier);
+          do_barrier = false;
+        }
+      } else if (producer_warp_role == ProducerWarpRole::Reducer) {
+        for (; tile_scheduler.is_valid(); ++tile_scheduler) {
+          auto blk_coord = tile_scheduler.get_block_coord();
+          collective_mainloop.reduce(blk_coord, params.mainloop, params.problem_size,
+                                     pipeline_reducer, smem_pipe_read_reducer,
+                                     storage.tensors.mainloop);
+        }
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<Base::MmaRegisterRequirement>();
+      constexpr int kOuterLoads = CollectiveMainloop::kOuterLoads;
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; tile_scheduler.is_valid(); ++tile_scheduler) {
+        auto blk_coord = tile_scheduler.get_block_coord();
+        auto wg_coord = blk_coord;
+
+        // this warpgroup's Q stage, and its query block within the CTA's tile
+        smem_pipe_read_outer.advance(consumer_warp_group_idx * kOuterLoads);
+        constexpr int wg_dim = is_constant<0, decltype(get<1>(wg_coord))>::value ? 0 : 1;
+        auto& wg_block = get<wg_dim>(wg_coord);
+        wg_block = NumMmaWarpGroups * wg_block + consumer_warp_group_idx;
+
+        auto result = collective_mainloop.compute(
+            blk_coord, wg_coord, params.mainloop, params.problem_size, pipeline_inner,
+            smem_pipe_read_inner, pipeline_outer, smem_pipe_read_outer, pipeline_reducer,
+            smem_pipe_write_reducer, storage.tensors.mainloop, math_wg_order_barrier);
+
+        smem_pipe_read_outer.advance(kOuterLoads * (NumMmaWarpGroups - consumer_warp_group_idx));
+
+        if constexpr (kEpilogueInTurn) math_wg_order_barrier.wait();
+        CollectiveEpilogue epilogue;
+        epilogue(typename CollectiveMainloop::TileShapePV{}, wg_coord, result,
+                 typename CollectiveMainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
+                 epi_load_pipeline, storage.tensors.epilogue[consumer_warp_group_idx]);
+        if constexpr (kEpilogueInTurn) math_wg_order_barrier.arrive();
+      }
+      finish_stores(static_cast<CollectiveEpilogue const*>(nullptr));
+    }
+#endif
+  }
+};
+
+}  // namespace hopper
+}  // namespace stackfuse
