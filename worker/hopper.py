@@ -81,6 +81,10 @@ class Variant:
         ctas = _ctas(spec, self.block_q)
         return ctas is not None and ctas <= self.max_ctas
 
+    def has(self, options: tuple[str, ...]) -> bool:
+        """Whether this variant is built with any of ``options`` (one of the tuples below)."""
+        return any(o in self.options for o in options)
+
     @property
     def kind(self) -> str:
         """The schedule in words, for the report."""
@@ -90,13 +94,11 @@ class Variant:
             _PING: "TMA + warp-specialized, ping-pong, persistent",
             _SHORT: "ours: all keys in shared memory, one warpgroup on wgmma",
         }[self.schedule]
-        if any(o in self.options for o in _OVERLAP):
+        if self.has(_OVERLAP):
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
-        if any(o in self.options for o in _LAZY):
+        if self.has(_LAZY):
             words += ", O rescaled only when a row maximum grows by more than 2^8"
-        if self.schedule in (_COOP, _PING) and not any(
-            o in self.options for o in _EXAMPLE_EPILOGUE
-        ):
+        if self.schedule in (_COOP, _PING) and not self.has(_EXAMPLE_EPILOGUE):
             words += ", our epilogue: one TMA store per warpgroup, out of turn"
         if self.max_ctas is not None:
             words += f", for launches of at most {self.max_ctas} CTAs (one wave)"
@@ -105,11 +107,11 @@ class Variant:
     def words(self, causal: bool) -> str:
         """:attr:`kind`, plus what a causal mask changes (the report's words)."""
         words = self.kind
-        three = any(o in self.options for o in _THREE_MMA_WARPGROUPS)
-        if causal and three and any(o in self.options for o in _OVERLAP):
+        three = self.has(_THREE_MMA_WARPGROUPS)
+        if causal and three and self.has(_OVERLAP):
             # the condition of hopper_overlap.cuh's kWarpgroupTrips
             words += "; each warpgroup computes only the key tiles its rows see"
-        if causal and any(o in self.options for o in _CHUNKED):
+        if causal and self.has(_CHUNKED):
             words += "; tiles handed out heaviest first within chunks of heads"
         return words
 
