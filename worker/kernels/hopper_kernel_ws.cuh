@@ -298,8 +298,14 @@ struct WarpSpecializedKernel
       epi_load_pipeline_params.role = EpiLoadPipeline::ThreadCategory::Consumer;
     }
 
+    // Q is the CTA's own, but a pipeline built for a 1x1x1 cluster releases its stages to the
+    // cluster's CTA 0 (its arrival target is rank 0, not this CTA): in a cluster of two the
+    // second CTA's releases landed on the first's barrier and its Q warp waited forever (first
+    // seen as hangs once a CTA took a second tile, session 13). Built for the kernel's cluster,
+    // each consumer warpgroup releases its Q stage to every CTA of the pair, and each CTA's
+    // barrier counts both pairs' releases: the two CTAs, in step anyway, stay in step on Q.
     MainloopPipelineOuter pipeline_outer(storage.pipeline_storage_outer, pipeline_params_outer,
-                                         Shape<_1, _1, _1>{});
+                                         ClusterShape{});
     MainloopPipelineInner pipeline_inner(storage.pipeline_storage_inner, pipeline_params_inner,
                                          ClusterShape{});
     MainloopPipelineReducer pipeline_reducer(storage.pipeline_storage_reducer,
@@ -355,6 +361,11 @@ struct WarpSpecializedKernel
               pipeline_inner, smem_pipe_write_inner, pipeline_outer, smem_pipe_write_outer,
               storage.tensors.mainloop, storage.load_warp_barrier, do_barrier);
           do_barrier = false;
+        }
+        // In a cluster the other CTA's consumers release our stages too (its multicast loads
+        // wrote them): wait for every stage's last release before this CTA may exit
+        if constexpr (size(ClusterShape{}) > 1) {
+          if (lane_predicate) pipeline_inner.producer_tail(smem_pipe_write_inner);
         }
       } else if (kLoadsQSeparately && (producer_warp_role == ProducerWarpRole::MaybeLoadQ)) {
         bool do_barrier = true;
