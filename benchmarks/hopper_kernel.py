@@ -196,12 +196,6 @@ def catalog() -> list[Slot]:
         add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], flags=flags)
     add(f16, "pingpong_128x128", "TopLeft", [h128], flags=turn)
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, flags=turn)
-    # session 13: neighbouring query blocks in clusters of two sharing K/V by TMA multicast
-    add(f16, "overlapmc_128x128", "none", _HEADS_128, [(16, 4, 128)], [h128])
-    add(b16, "overlapmc_128x128", "none", [h128, (32, 8, 128)], [(16, 4, 128)])
-    add(f16, "pingpongmc_128x128", "none", [h128, (32, 8, 128)], [], [h128])
-    add(f16, "overlap3mc_192x128", "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
-    add(f16, "overlapmc_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))

@@ -70,11 +70,8 @@ class Variant:
     max_ctas: int | None = None
 
     def takes(self, spec: AttentionSpec) -> bool:
-        """Whether ``spec``'s key length is known to fit (a dynamic one does not), its launch
-        is known to be no larger than ``max_ctas``, and its mask is none where the variant
-        pairs query blocks (they must see the same key tiles)."""
-        if self.has(_CLUSTER_PAIR) and spec.causal != "none":
-            return False
+        """Whether ``spec``'s key length is known to fit (a dynamic one does not), and its
+        launch is known to be no larger than ``max_ctas``."""
         if self.max_seq_kv is not None and not (
             isinstance(spec.seq_kv, int) and spec.seq_kv <= self.max_seq_kv
         ):
@@ -101,8 +98,6 @@ class Variant:
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
         if self.has(_LAZY):
             words += ", O rescaled only when a row maximum grows by more than 2^8"
-        if self.has(_CLUSTER_PAIR):
-            words += ", two CTAs per cluster sharing each K/V tile by TMA multicast"
         if self.schedule in (_COOP, _PING) and not self.has(_EXAMPLE_EPILOGUE):
             words += ", our epilogue: one TMA store per warpgroup, out of turn"
         if self.max_ctas is not None:
@@ -147,9 +142,6 @@ _CHUNKED = ("stackfuse::hopper::ChunkedOrder",)
 #: overlapped mainloop in the persistent kernel wants; every other warp-specialized kernel
 #: stores O with ours, out of turn
 _EXAMPLE_EPILOGUE = ("stackfuse::hopper::ExampleEpilogue",)
-#: neighbouring query blocks paired in a cluster of two CTAs that load each K/V tile once, by
-#: TMA multicast (hopper_cluster.cuh; FlashAttention-3's ClusterM = 2); no causal mask
-_CLUSTER_PAIR = ("stackfuse::hopper::ClusterPair",)
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
@@ -206,18 +198,6 @@ VARIANTS: dict[str, Variant] = {
         # the same mainloop in the cooperative kernel, with O rescaled lazily, for head dim 256
         # (no ping-pong fits there; O is 128 floats per thread, rescaled per 64-key tile)
         Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
-        # neighbouring query blocks in clusters of two, each K/V tile multicast to both (no mask)
-        Variant(
-            "overlapmc_128x128", _PING, 128, 128, (*_OVERLAP, *_EXAMPLE_EPILOGUE, *_CLUSTER_PAIR)
-        ),
-        Variant("pingpongmc_128x128", _PING, 128, 128, _CLUSTER_PAIR),
-        Variant(
-            "overlap3mc_192x128",
-            _PING,
-            192,
-            128,
-            (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_EXAMPLE_EPILOGUE, *_CLUSTER_PAIR),
-        ),
     )
 }
 
@@ -226,7 +206,7 @@ VARIANTS: dict[str, Variant] = {
 #: (coop_128x64, pingpong_128x64) lost to every other variant at every shape measured
 #: (334-351 vs 414-453 TFLOP/s at B2 S8192 N16), so they are not offered there.
 _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
-    32: ("overlap_128x128", "pingpong_128x128", "tma_64x128", "coop_128x64", "overlapmc_128x128"),
+    32: ("overlap_128x128", "pingpong_128x128", "tma_64x128", "coop_128x64"),
     64: (
         "overlap3_192x128",
         "overlap3kl_192x128",
@@ -239,7 +219,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "tmaB_64x128",
         "shortw_64x128",
         "shortw_64x256",
-        "overlap3mc_192x128",
     ),
     128: (
         "overlap_128x128",
@@ -247,8 +226,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "coop_128x128",
         "pingpongB_128x128",
         "tma1_64x128",
-        "overlapmc_128x128",
-        "pingpongmc_128x128",
     ),
     256: ("overlapc_128x64", "coop_128x64"),
 }

@@ -103,14 +103,7 @@ def test_variants_by_head_dim() -> None:
         "coop_128x128",
         "pingpong_128x128",
         "pingpongB_128x128",
-        "overlapmc_128x128",
-        "pingpongmc_128x128",
     }
-    # paired query blocks must see the same key tiles: no causal mask
-    causal = hopper.variants(stacked(h=128, causal="TopLeft"))
-    assert "overlapmc_128x128" not in causal and "pingpongmc_128x128" not in causal
-    assert "overlap3mc_192x128" in hopper.variants(stacked(h=64))
-    assert "overlap3mc_192x128" not in hopper.variants(stacked(h=64, causal="BottomRight"))
     assert "tma_64x128" in hopper.variants(stacked(h=64))
     assert "pingpong3_192x128" in hopper.variants(stacked(h=64))
     assert hopper.variants(stacked(h=256)) == ["overlapc_128x64", "coop_128x64"]
@@ -178,8 +171,6 @@ def test_short_sequence_variant_only_where_every_key_fits() -> None:
     # our epilogue out of turn, except where the overlapped ping-pong mainloop wants the
     # example's in turn (hopper_kernel_ws.cuh); the non-warp-specialized kernels have neither
     assert "out of turn" in hopper.VARIANTS["pingpong_128x128"].kind
-    assert "TMA multicast" in hopper.VARIANTS["overlapmc_128x128"].kind
-    assert "TMA multicast" not in hopper.VARIANTS["overlap_128x128"].kind
     assert "out of turn" in hopper.VARIANTS["overlapc_128x64"].kind
     assert "out of turn" not in hopper.VARIANTS["overlap_128x128"].kind
     assert "out of turn" not in hopper.VARIANTS["tma1_64x128"].kind
@@ -511,15 +502,6 @@ int main() {
     auto p = hp::ChunkedSerpentineScheduler::to_underlying_arguments(ps, hw, Cluster{}, T192{});
     std::printf("chunk %d %d\n", p.num_blocks, p.chunk);
   }
-  // clusters of two (hw.sm_count: CTAs resident as clusters): B8 S2048 N16 (16 blocks, 1024
-  // pairs), Nq32 B8 (2048 pairs: 32 rounds on 64 of 66 clusters), 9 blocks (5 pairs) x 3 heads
-  using Pair = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  int const pairs[][3] = {{16, 8, 2048}, {32, 8, 2048}, {3, 1, 1032}};
-  for (auto const& q : pairs) {
-    auto ps = cute::make_tuple(q[0], q[1], q[2], q[2], 128);
-    auto p = hp::ClusterPairScheduler::to_underlying_arguments(ps, hw, Pair{}, T128{});
-    std::printf("pairs %d %d\n", p.num_pairs, hp::ClusterPairScheduler::get_grid_shape(p).x);
-  }
 }
 """
 
@@ -544,7 +526,6 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
     assert out[3:5] == ["chunk 1408 32", "chunk 384 0"]
-    assert out[5:8] == ["pairs 1024 132", "pairs 2048 128", "pairs 15 30"]
 
 
 def test_render_takes_shape_arguments_that_are_no_tensor() -> None:

@@ -46,7 +46,6 @@
 #include "kernel/fmha_kernel_builder.hpp"
 
 #include "hopper_api.h"
-#include "hopper_cluster.cuh"
 #include "hopper_kernel_ws.cuh"
 #include "hopper_overlap.cuh"
 #include "hopper_short.cuh"
@@ -519,24 +518,19 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
                                                    cute::true_type>;
   using QSeparately = cutlass::fmha::kernel::Option<
       cutlass::fmha::kernel::Tag::kLoadsQSeparately, cute::true_type>;
-  static_assert(!(kCausal && kClusterPair<Options...>),
-                "paired CTAs walk the same key tiles: no causal mask");
   using Mainloop = GroupedMainloop<
-      MaybeClusterPair<
-          MaybeOverlap<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-                           Element, float, float, TileShape, GroupedStrideQ<kHeads0>,
-                           GroupedStrideKV<kHeads0>, GroupedStrideKV<kHeads0>, Fusion,
-                           Options..., Persistent, QSeparately>,
-                       Fusion, Options...>,
-          Fusion, Options...>,
+      MaybeOverlap<cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+                       Element, float, float, TileShape, GroupedStrideQ<kHeads0>,
+                       GroupedStrideKV<kHeads0>, GroupedStrideKV<kHeads0>, Fusion, Options...,
+                       Persistent, QSeparately>,
+                   Fusion, Options...>,
       kHeads0>;
   using Epilogue =
       WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV, Options...>;
   using Scheduler = std::conditional_t<
       kCausal,
       std::conditional_t<kChunked<Options...>, ChunkedSerpentineScheduler, SerpentineScheduler>,
-      std::conditional_t<kClusterPair<Options...>, ClusterPairScheduler,
-                         BalancedPersistentScheduler>>;
+      BalancedPersistentScheduler>;
   using Kernel = WarpSpecializedKernel<Mainloop, Epilogue, Scheduler, Options..., Persistent,
                                        QSeparately>;
 };
@@ -673,64 +667,11 @@ inline Status after_launch(cudaError_t* cuda_error) {
 }
 
 template <class Kernel>
-cudaLaunchConfig_t cluster_config(dim3 grid, cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = Kernel::get_block_shape();
-  config.dynamicSmemBytes = Kernel::SharedStorageSize;
-  config.stream = stream;
-  return config;
-}
-
-// CTAs that can be resident at once as clusters of Kernel's size (the driver's count of
-// clusters times their size; SMs of a GPC left over by the pairing do not count), per device
-template <class Kernel>
-int cluster_slots(int device_id, int sms) {
-  constexpr int kCluster = cute::size(typename Kernel::ClusterShape{});
-  if constexpr (kCluster == 1) {
-    return sms;
-  } else {
-    static int slots[64] = {0};
-    if (device_id >= 0 && device_id < 64 && slots[device_id] > 0) return slots[device_id];
-    cudaLaunchConfig_t config = cluster_config<Kernel>(dim3(kCluster * sms, 1, 1), nullptr);
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kCluster;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, cutlass::device_kernel<Kernel>, &config) !=
-            cudaSuccess ||
-        clusters <= 0) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    if (device_id >= 0 && device_id < 64) slots[device_id] = kCluster * clusters;
-    return kCluster * clusters;
-  }
-}
-
-template <class Kernel>
 Status launch_one(typename Kernel::Params const& params, cudaStream_t stream,
                   cudaError_t* cuda_error) {
   dim3 const grid = Kernel::get_grid_shape(params);
   dim3 const block = Kernel::get_block_shape();
-  constexpr int kCluster = cute::size(typename Kernel::ClusterShape{});
-  if constexpr (kCluster > 1) {
-    cudaLaunchConfig_t config = cluster_config<Kernel>(grid, stream);
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kCluster;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    (void)cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
-  } else {
-    cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(params);
-  }
+  cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(params);
   return after_launch(cuda_error);
 }
 
@@ -811,8 +752,7 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
 
   cutlass::KernelHardwareInfo hw;
   hw.device_id = p.device_id;
-  hw.sm_count = cluster_slots<Kernel>(p.device_id, sms);  // after the smem attribute is set
-  if (hw.sm_count <= 0) return Status::kDevice;
+  hw.sm_count = sms;
 
   ParamsKey key;
   std::memset(&key, 0, sizeof(key));

@@ -298,12 +298,13 @@ struct WarpSpecializedKernel
       epi_load_pipeline_params.role = EpiLoadPipeline::ThreadCategory::Consumer;
     }
 
-    // Q is the CTA's own, but a pipeline built for a 1x1x1 cluster releases its stages to the
-    // cluster's CTA 0 (its arrival target is rank 0, not this CTA): in a cluster of two the
-    // second CTA's releases landed on the first's barrier and its Q warp waited forever (first
-    // seen as hangs once a CTA took a second tile, session 13). Built for the kernel's cluster,
-    // each consumer warpgroup releases its Q stage to every CTA of the pair, and each CTA's
-    // barrier counts both pairs' releases: the two CTAs, in step anyway, stay in step on Q.
+    // Q is the CTA's own, but a pipeline built for a 1x1x1 cluster (the example's) releases its
+    // stages to the cluster's CTA 0: in a cluster of two the second CTA's releases landed on the
+    // first's barrier and its Q warp waited forever once it took a second tile (session 13,
+    // commit f6e81bd, run 77). Built for the kernel's cluster, each consumer warpgroup releases
+    // its Q stage to every CTA of the cluster and each barrier counts all of them. Our kernels
+    // are 1x1x1 (TMA multicast in pairs was no faster, run 78); this and the tail below keep
+    // the kernel right for any cluster shape.
     MainloopPipelineOuter pipeline_outer(storage.pipeline_storage_outer, pipeline_params_outer,
                                          ClusterShape{});
     MainloopPipelineInner pipeline_inner(storage.pipeline_storage_inner, pipeline_params_inner,
