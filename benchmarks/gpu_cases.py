@@ -218,6 +218,20 @@ CASES: list[Case] = [
         128,
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
+    # session 13: short key ranges in "small" launches at head dims 128 and 32: ping-pong with
+    # the next tile's Q loaded ahead (pingpongq_128x128); bf16 causal with a ragged key tile
+    Case("split_fp16_s256_h128_small", "stacked", 16, 256, 16, 128, 128),
+    Case(
+        "split_bf16_s200_h128_small_causal",
+        "stacked",
+        16,
+        200,
+        16,
+        128,
+        128,
+        {"dtype": "bfloat16", "causal": "BottomRight"},
+    ),
+    Case("split_fp16_s256_h32_small_causal", "stacked", 16, 256, 16, 32, 32, {"causal": "TopLeft"}),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -248,6 +262,9 @@ HOPPER_CASES = (
     "split_bf16_s600_h256_causal",
     "split_fp16_s500_h128_tiny",
     "split_bf16_s512_h128_tiny_causal",
+    "split_fp16_s256_h128_small",
+    "split_bf16_s200_h128_small_causal",
+    "split_fp16_s256_h32_small_causal",
 )
 
 

@@ -196,6 +196,16 @@ def catalog() -> list[Slot]:
         add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], flags=flags)
     add(f16, "pingpong_128x128", "TopLeft", [h128], flags=turn)
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, flags=turn)
+    # session 13: the next tile's Q loaded during this one (two Q stages per warpgroup, four K/V
+    # stages; run 79 also had it on the overlapped kernels: overlapq_128x128 0.94-1.01x,
+    # overlap3q_192x128 0.98-1.02x, not kept)
+    add(f16, "pingpongq_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [], [h128])
+    add(f16, "pingpongq_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
+    add(f16, "pingpongq_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
+    add(f16, "pingpongq_128x128", "TopLeft@32", _HEADS_32)
+    # (run 80 also built deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at
+    # head dim 64 and 10 on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and
+    # 1.01x; not kept)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))

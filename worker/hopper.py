@@ -68,14 +68,17 @@ class Variant:
     #: most CTAs (query tiles x heads x batch) of a launch the variant is offered for: a choice
     #: from measurements, not a limit of the kernel; None: any
     max_ctas: int | None = None
+    #: most keys the variant is offered for: a choice from measurements, not a limit of the
+    #: kernel (it takes any length); None: any
+    offered_seq_kv: int | None = None
 
     def takes(self, spec: AttentionSpec) -> bool:
-        """Whether ``spec``'s key length is known to fit (a dynamic one does not), and its
-        launch is known to be no larger than ``max_ctas``."""
-        if self.max_seq_kv is not None and not (
-            isinstance(spec.seq_kv, int) and spec.seq_kv <= self.max_seq_kv
-        ):
-            return False
+        """Whether ``spec``'s key length is known to fit (a dynamic one does not) and to be
+        no longer than ``offered_seq_kv``, and its launch is known to be no larger than
+        ``max_ctas``."""
+        for most in (self.max_seq_kv, self.offered_seq_kv):
+            if most is not None and not (isinstance(spec.seq_kv, int) and spec.seq_kv <= most):
+                return False
         if self.max_ctas is None:
             return True
         ctas = _ctas(spec, self.block_q)
@@ -98,10 +101,14 @@ class Variant:
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
         if self.has(_LAZY):
             words += ", O rescaled only when a row maximum grows by more than 2^8"
+        if self.has(_Q_AHEAD):
+            words += ", the next tile's Q loaded during this one (4 K/V stages, not 5)"
         if self.schedule in (_COOP, _PING) and not self.has(_EXAMPLE_EPILOGUE):
             words += ", our epilogue: one TMA store per warpgroup, out of turn"
         if self.max_ctas is not None:
             words += f", for launches of at most {self.max_ctas} CTAs (one wave)"
+        if self.offered_seq_kv is not None:
+            words += f", for at most {self.offered_seq_kv} keys"
         return words
 
     def words(self, causal: bool) -> str:
@@ -142,10 +149,17 @@ _CHUNKED = ("stackfuse::hopper::ChunkedOrder",)
 #: overlapped mainloop in the persistent kernel wants; every other warp-specialized kernel
 #: stores O with ours, out of turn
 _EXAMPLE_EPILOGUE = ("stackfuse::hopper::ExampleEpilogue",)
+_OPTION = "cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::{}, cute::Int<{}>>"
+#: the next tile's Q loaded during this one (two Q stages per consumer warpgroup instead of one),
+#: paid for with one K/V stage less (4 instead of 5: the shared memory of head dim 128)
+_Q_AHEAD = (_OPTION.format("kStagesQ", 4), _OPTION.format("kStagesKV", 4))
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
 SMS = 132
+#: key lengths up to which a launch counts as "small" too: one or two key tiles per CTA, where
+#: per-CTA fixed costs dominate (BERT-base, 384 CTAs: 128-row tiles 12.0 us, 192-row 13.4 us)
+SHORT_SEQ_KV = 256
 
 #: every variant, by name; "tma" is the non-warp-specialized kernel (2 CTAs per SM),
 #: "coop" two consumer warpgroups sharing one CTA tile, "pingpong" the persistent version of it
@@ -198,6 +212,10 @@ VARIANTS: dict[str, Variant] = {
         # the same mainloop in the cooperative kernel, with O rescaled lazily, for head dim 256
         # (no ping-pong fits there; O is 128 floats per thread, rescaled per 64-key tile)
         Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
+        # ping-pong with the next tile's Q loaded during this one: pays where a CTA runs many
+        # short tiles (at most 256 keys), loses up to 12% where tiles are long (one K/V stage
+        # less, run 79), so it is offered for short key ranges only
+        Variant("pingpongq_128x128", _PING, 128, 128, _Q_AHEAD, offered_seq_kv=SHORT_SEQ_KV),
     )
 }
 
@@ -206,7 +224,13 @@ VARIANTS: dict[str, Variant] = {
 #: (coop_128x64, pingpong_128x64) lost to every other variant at every shape measured
 #: (334-351 vs 414-453 TFLOP/s at B2 S8192 N16), so they are not offered there.
 _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
-    32: ("overlap_128x128", "pingpong_128x128", "tma_64x128", "coop_128x64"),
+    32: (
+        "overlap_128x128",
+        "pingpong_128x128",
+        "tma_64x128",
+        "coop_128x64",
+        "pingpongq_128x128",
+    ),
     64: (
         "overlap3_192x128",
         "overlap3kl_192x128",
@@ -226,6 +250,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "coop_128x128",
         "pingpongB_128x128",
         "tma1_64x128",
+        "pingpongq_128x128",
     ),
     256: ("overlapc_128x64", "coop_128x64"),
 }
@@ -247,10 +272,12 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # B8 S2048 N16 causal: pingpong_128x128 166.6 us vs overlap_128x128 179.5, tma_64x128
     # 181.3, coop_128x64 (the pick before) 231.3 (cuDNN 178.1; run 29)
     (32, True, "large"): "pingpong_128x128",
-    # B16 S256 N16: 16.6 us (overlap 16.6, tma 17.4, coop 23.6; cuDNN 16.1); causal: 16.0
-    # (overlap 15.8, tma 16.5, coop 23.9; cuDNN 15.8; run 29)
-    (32, False, "small"): "pingpong_128x128",
-    (32, True, "small"): "pingpong_128x128",
+    # B16 S256 N16: pingpongq_128x128 (the next tile's Q loaded ahead) 16.0 us vs ping-pong
+    # 16.6, 9 of 9 rounds faster (SDPA's fastest 16.0); causal 15.3 vs 15.8, 9 of 9 (15.7; run
+    # 79). Offered up to 256 keys; longer ones take ping-pong. Before: 16.6 us (overlap 16.6,
+    # tma 17.4, coop 23.6; cuDNN 16.1); causal 16.0 (overlap 15.8, tma 16.5; cuDNN 15.8; run 29)
+    (32, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
+    (32, True, "small"): ("pingpongq_128x128", "pingpong_128x128"),
     (32, False, "tiny"): "tma_64x128",  # unmeasured
     # unmeasured; coop_128x64 lost by 23-35% at every head-dim-32 shape measured (run 29)
     (32, True, "tiny"): "pingpong_128x128",
@@ -300,10 +327,13 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # (SDPA's fastest 524.7 / 534.8). Before: overlap, 254.3 vs 255.5 us, GQA 32/8 causal
     # 509.5 vs 529.5 (run 25)
     (128, True, "large"): "pingpong_128x128",
-    # ping-pong (its overlap version lost at these: 26.2 vs 25.8, 25.3 vs 25.1, 12.4 vs 11.5,
-    # 12.6 vs 12.3 us, run 25)
-    (128, False, "small"): "pingpong_128x128",  # B16 S256 N16: 25.8 us vs coop 34.0 (run 8)
-    (128, True, "small"): "pingpong_128x128",  # B16 S256 N16 causal: 25.1 vs coop 32.2
+    # B16 S256 N16: pingpongq_128x128 24.4 us vs ping-pong 25.0, 9 of 9 rounds faster (cuDNN
+    # 23.0); causal 23.6 vs 24.8, 9 of 9 (cuDNN 23.3; run 79). Offered up to 256 keys: at B1
+    # S1024 N32 (a "small" launch of 256 CTAs with 8 key tiles each) it lost 12% (36.6 vs 32.1).
+    # Before: ping-pong (its overlap version lost at these: 26.2 vs 25.8, 25.3 vs 25.1, 12.4 vs
+    # 11.5, 12.6 vs 12.3 us, run 25; B16 S256 N16 25.8 us vs coop 34.0, causal 25.1 vs 32.2)
+    (128, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
+    (128, True, "small"): ("pingpongq_128x128", "pingpong_128x128"),
     # B1 S512 N16 (64 tiles of 128 rows, half the SMs idle): 128 CTAs of 64 rows, tma1_64x128
     # 10.4 us vs pingpong_128x128 11.5 (cuDNN 11.1; runs 66, 67); causal 10.5-10.6 vs 12.2-12.3
     # (cuDNN 11.7-11.8). Past one wave of 64-row tiles it is not offered (B2 S512 N16: 19.4 vs
@@ -331,9 +361,6 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
 TINY_CTAS = SMS
 #: CTAs below which a launch counts as "small" (about two waves of the H200's 132 SMs)
 SMALL_CTAS = 2 * SMS
-#: key lengths up to which a launch counts as "small" too: one or two key tiles per CTA, where
-#: per-CTA fixed costs dominate (BERT-base, 384 CTAs: 128-row tiles 12.0 us, 192-row 13.4 us)
-SHORT_SEQ_KV = 256
 
 
 def tile_head_dim(head_dim: int) -> int | None:

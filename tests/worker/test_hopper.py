@@ -104,6 +104,8 @@ def test_variants_by_head_dim() -> None:
         "pingpong_128x128",
         "pingpongB_128x128",
     }
+    # offered for at most 256 keys (run 79)
+    assert "pingpongq_128x128" in hopper.variants(stacked(seq=256, h=128))
     assert "tma_64x128" in hopper.variants(stacked(h=64))
     assert "pingpong3_192x128" in hopper.variants(stacked(h=64))
     assert hopper.variants(stacked(h=256)) == ["overlapc_128x64", "coop_128x64"]
@@ -227,15 +229,31 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert "tma1_64x128" not in hopper.variants(two)
     assert "tma1_64x128" not in hopper.variants(stacked(batch=DYNAMIC, seq=512, h=128))
     assert "one wave" in hopper.VARIANTS["tma1_64x128"].kind
-    assert hopper.variants(stacked(batch=16, seq=256, h=32))[0] == "pingpong_128x128"
+    # short key ranges at head dims 32 and 128: ping-pong with the next tile's Q loaded ahead
+    # (16.0 vs 16.6 us, 24.4 vs 25.0, causal 23.6 vs 24.8; run 79), only up to 256 keys (B1
+    # S1024 N32, a "small" launch too: 36.6 vs 32.1 us) and never for a dynamic key length
+    assert hopper.variants(stacked(batch=16, seq=256, h=32))[0] == "pingpongq_128x128"
+    assert hopper.variants(stacked(batch=16, seq=256, h=32, causal="TopLeft"))[0] == (
+        "pingpongq_128x128"
+    )
+    llama = stacked(batch=1, seq=1024, nq=32, nkv=32, h=128)
+    assert hopper.shape_class(llama) == (128, False, "small")
+    assert hopper.pick(llama) == "pingpong_128x128"
+    assert "pingpongq_128x128" not in hopper.variants(llama)
+    assert "pingpongq_128x128" not in hopper.variants(stacked(batch=16, seq=DYNAMIC, h=128))
+    assert "at most 256 keys" in hopper.VARIANTS["pingpongq_128x128"].kind
     # long causal head dim 64: three warpgroups, each computing only the key tiles its rows
     # see (195-198 vs ping-pong's 200-202 us, runs 42-44), their tiles handed out heaviest
     # first within chunks of heads (193.6-193.8 vs 197.4-200.7 us, runs 55-57), O rescaled
     # lazily (189.5-189.9 vs 191.1-191.5, runs 58-59)
     assert hopper.variants(stacked(seq=2048, h=64, causal="TopLeft"))[0] == "overlap3kl_192x128"
-    # short prompts at head dim 128: ping-pong (its overlapped version lost there, run 25)
+    # short prompts at head dim 128: ping-pong (its overlapped version lost there, run 25), with
+    # the next tile's Q loaded ahead (run 79)
     assert hopper.variants(stacked(batch=16, seq=256, nq=16, nkv=16, h=128))[0] == (
-        "pingpong_128x128"
+        "pingpongq_128x128"
+    )
+    assert hopper.variants(stacked(batch=16, seq=256, h=128, causal="TopLeft"))[0] == (
+        "pingpongq_128x128"
     )
     # BERT-base: 384 CTAs but one key tile each: "small"; our kernel (9.5 vs 12.0 us, run 18)
     bert = stacked(batch=32, seq=128, nq=12, nkv=12, h=64)
@@ -323,6 +341,8 @@ _ALLOWED_IDENTIFIERS = {
     "Option",
     "Tag",
     "kNumMmaWarpGroups",
+    "kStagesQ",
+    "kStagesKV",
     "cute",
     "Int",
     # the overlapped mainloop's options (hopper_overlap.cuh)
@@ -358,6 +378,7 @@ def _code_tokens(source: str) -> tuple[set[str], list[str]]:
         ("tma_64x128", 64),
         ("coop_128x64", 256),
         ("overlapc_128x64", 256),
+        ("pingpongq_128x128", 128),
     ],
 )
 @pytest.mark.parametrize("causal", ["none", "TopLeft", "BottomRight"])
