@@ -203,21 +203,9 @@ def catalog() -> list[Slot]:
     add(f16, "pingpongq_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
     add(f16, "pingpongq_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
     add(f16, "pingpongq_128x128", "TopLeft@32", _HEADS_32)
-    # O staged in the warpgroup's Q stage: six K/V stages, or two Q stages per warpgroup (runs
-    # 81-82)
-    add(f16, "pingpong6_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [], [h128])
-    add(f16, "pingpong6_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
-    add(b16, "pingpong6_128x128", "none", [h128])
-    in_turn = ("-DSTACKFUSE_EPILOGUE_IN_TURN=2",)
-    add(f16, "overlap6_128x128", "none", [h128, (32, 8, 128)], [], [h128])
-    add(f16, "overlap6_128x128", "none", [h128, (32, 8, 128)], flags=in_turn)
-    add(f16, "pingpongqo_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [], [h128])
-    add(f16, "pingpongqo_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
-    add(b16, "pingpongqo_128x128", "none", [h128])
-    add(f16, "overlapqo_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [], [h128])
-    add(b16, "overlapqo_128x128", "none", [h128])
-    add(f16, "overlapqo_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)], flags=in_turn)
-    add(b16, "overlapqo_128x128", "none", [h128], flags=in_turn)
+    # (runs 81-82 also built O staged in the warpgroup's finished Q stage, its 32 KB spent on a
+    # sixth K/V stage or on a second Q stage per warpgroup: 0.89-0.98x, not kept; commit
+    # 0a43dd9, docs/hopper-kernel.md)
     # (run 80 also built deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at
     # head dim 64 and 10 on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and
     # 1.01x; not kept)

@@ -153,12 +153,6 @@ _OPTION = "cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::{}, cute::I
 #: the next tile's Q loaded during this one (two Q stages per consumer warpgroup instead of one),
 #: paid for with one K/V stage less (4 instead of 5: the shared memory of head dim 128)
 _Q_AHEAD = (_OPTION.format("kStagesQ", 4), _OPTION.format("kStagesKV", 4))
-#: O staged in the warpgroup's finished Q stage (hopper_kernel_ws.cuh) instead of a buffer of
-#: its own, for a sixth K/V stage at head dim 128 (an experiment, session 13)
-_KV6_O_IN_Q = ("stackfuse::hopper::EpilogueInQ", _OPTION.format("kStagesKV", 6))
-#: O staged in the Q stage, and the freed 32 KB spent on a second Q stage per warpgroup instead
-#: (the next tile's Q loaded during this one, with all five K/V stages)
-_Q_AHEAD_O_IN_Q = ("stackfuse::hopper::EpilogueInQ", _OPTION.format("kStagesQ", 4))
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
@@ -222,10 +216,6 @@ VARIANTS: dict[str, Variant] = {
         # short tiles (at most 256 keys), loses up to 12% where tiles are long (one K/V stage
         # less, run 79), so it is offered for short key ranges only
         Variant("pingpongq_128x128", _PING, 128, 128, _Q_AHEAD, offered_seq_kv=SHORT_SEQ_KV),
-        Variant("pingpong6_128x128", _PING, 128, 128, _KV6_O_IN_Q),
-        Variant("overlap6_128x128", _PING, 128, 128, (*_OVERLAP, *_KV6_O_IN_Q)),
-        Variant("pingpongqo_128x128", _PING, 128, 128, _Q_AHEAD_O_IN_Q),
-        Variant("overlapqo_128x128", _PING, 128, 128, (*_OVERLAP, *_Q_AHEAD_O_IN_Q)),
     )
 }
 
@@ -261,10 +251,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpongB_128x128",
         "tma1_64x128",
         "pingpongq_128x128",
-        "pingpong6_128x128",
-        "overlap6_128x128",
-        "pingpongqo_128x128",
-        "overlapqo_128x128",
     ),
     256: ("overlapc_128x64", "coop_128x64"),
 }

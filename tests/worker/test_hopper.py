@@ -103,10 +103,6 @@ def test_variants_by_head_dim() -> None:
         "coop_128x128",
         "pingpong_128x128",
         "pingpongB_128x128",
-        "pingpong6_128x128",
-        "overlap6_128x128",
-        "pingpongqo_128x128",
-        "overlapqo_128x128",
     }
     # offered for at most 256 keys (run 79)
     assert "pingpongq_128x128" in hopper.variants(stacked(seq=256, h=128))
