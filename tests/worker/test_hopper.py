@@ -475,13 +475,20 @@ def test_render_rejects_unknown_variant_and_unsupported_spec() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("variant", "h"),
-    [("overlap_128x128", 128), ("pingpong_128x128", 128), ("shortw_64x128", 64)],
+    [
+        ("overlap_128x128", 128),
+        ("pingpong_128x128", 128),
+        ("pingpongq_128x128", 128),
+        ("shortw_64x128", 64),
+    ],
 )
 def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int) -> None:
     """One forward configuration for sm_90a through the service's cached nvcc: our
     warp-specialized kernel with our overlapped mainloop and the example's epilogue in turn (the
     pick for long sequences at head dim 128), with the example's mainloop and our epilogue out of
-    turn (causal head dim 128), and our short-sequence kernel."""
+    turn (causal head dim 128), the same with two Q stages per warpgroup and four K/V stages
+    (short prompts; its shared memory is checked against the H200's 227 KB at compile time), and
+    our short-sequence kernel."""
     spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h)
     ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", variant)
     compiled = compile_object(ks)
