@@ -209,6 +209,18 @@ def catalog() -> list[Slot]:
     # (run 80 also built deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at
     # head dim 64 and 10 on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and
     # 1.01x; not kept)
+    # session 14: %globaltimer stamps per CTA and tile (benchmarks/timeline_probe.py); N in
+    # -DSTACKFUSE_TIMELINE=N names each object's stackfuse_timeline_set_N
+    for n, (dtype, variant, causal, heads) in enumerate(
+        [
+            (f16, "pingpongq_128x128", "none", h128),
+            (f16, "pingpong_128x128", "none", h128),
+            (f16, "overlap_128x128", "none", h128),
+            (f16, "overlapc_128x64", "none@256", (8, 8, 256)),
+        ],
+        start=1,
+    ):
+        add(dtype, variant, causal, [heads], flags=(f"-DSTACKFUSE_TIMELINE={n}",))
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))

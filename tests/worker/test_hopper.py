@@ -676,3 +676,38 @@ def test_benchmark_summary_names_the_selection_and_pairs_rounds() -> None:
     # rounds that do not line up (one failed) are not paired
     (s,) = _summarize([_bench_row(pick, [200.0, 190.0]), rows[2]])
     assert "rounds" not in s
+
+
+def test_timeline_summary_from_stamps() -> None:
+    """The timeline probe's summary (benchmarks/timeline_probe.py) from a buffer laid out as
+    hopper_kernel_ws.cuh writes it: per CTA its start and SM, per consumer warpgroup its tile
+    count, exit and (begin, end) per tile; CTAs that wrote nothing are not counted."""
+    from benchmarks.timeline_probe import PER_CTA, PER_WG, summarize
+
+    def cta(start: int, sm: int, wgs: list[list[tuple[int, int]]]) -> list[int]:
+        row = [0] * PER_CTA
+        row[0], row[1] = start, sm
+        for w, tiles in enumerate(wgs):
+            base = 2 + w * PER_WG
+            row[base], row[base + 1] = len(tiles), tiles[-1][1]
+            for i, (b, e) in enumerate(tiles):
+                row[base + 2 + 2 * i], row[base + 3 + 2 * i] = b, e
+        return row
+
+    raw = (
+        cta(1000, 7, [[(1000, 3000), (3000, 5000)], [(1100, 3200), (3200, 5200)]])
+        + cta(1050, 8, [[(1050, 4000)], [(1100, 4100)]])
+        + cta(1020, 9, [[(1020, 3020), (3020, 6020)], [(1030, 3100), (3100, 6100)]])
+        + [0] * PER_CTA  # a CTA of the buffer that no launch wrote
+    )
+    s = summarize(raw, 2)
+    assert s["ctas"] == 3 and s["span_us"] == pytest.approx(5.1)
+    assert s["start_us"]["max"] == pytest.approx(0.05)
+    assert s["end_us"]["min"] == pytest.approx(3.1) and s["end_us"]["max"] == pytest.approx(5.1)
+    # busy 4.2 + 3.05 + 5.08 us of 3 x 5.1
+    assert s["idle_fraction"] == pytest.approx(1 - 12.33 / 15.3, abs=1e-3)
+    assert s["tiles_per_cta"] == {"1": 1, "2": 2}
+    assert s["tile_us_by_round"][0]["p50"] == pytest.approx(2.0)
+    assert s["tile_us_by_round"][1]["p50"] == pytest.approx(2.5)
+    assert s["first_tile_end_us"]["p50"] == pytest.approx(2.02)
+    assert [c["sm"] for c in s["latest"]] == [9, 7, 8]

@@ -45,6 +45,39 @@
 #define STACKFUSE_EPILOGUE_IN_TURN 0
 #endif
 
+// A probe (session 14), only in objects built with -DSTACKFUSE_TIMELINE=N: %globaltimer stamps
+// at each CTA's start and around each consumer warpgroup's tiles, into a buffer the host names
+// with stackfuse_timeline_set_N() (benchmarks/timeline_probe.py). Why: Nsight Compute gives each
+// SM's active cycles, not when each CTA started and ended, which is what tells a late start from
+// an uneven end. N tells the objects of one library apart.
+#if defined(STACKFUSE_TIMELINE)
+#include <cuda_runtime.h>
+#define STACKFUSE_CAT2(a, b) a##b
+#define STACKFUSE_CAT(a, b) STACKFUSE_CAT2(a, b)
+static __device__ unsigned long long* stackfuse_timeline_buf = nullptr;
+extern "C" __attribute__((visibility("default"))) int STACKFUSE_CAT(stackfuse_timeline_set_,
+                                                                   STACKFUSE_TIMELINE)(void* ptr) {
+  return static_cast<int>(cudaMemcpyToSymbol(stackfuse_timeline_buf, &ptr, sizeof(ptr)));
+}
+namespace stackfuse::hopper::timeline {
+// per CTA (linear block index): [0] start, [1] SM id, then per consumer warpgroup w at
+// 2 + w * kPerWg: [0] tiles, [1] exit, then (begin, end) of up to kTiles tiles
+constexpr int kTiles = 20;
+constexpr int kPerWg = 2 + 2 * kTiles;
+constexpr int kPerCta = 2 + 3 * kPerWg;
+__device__ __forceinline__ unsigned long long now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long* cta() {
+  if (stackfuse_timeline_buf == nullptr) return nullptr;
+  unsigned const b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  return stackfuse_timeline_buf + size_t(b) * kPerCta;
+}
+}  // namespace stackfuse::hopper::timeline
+#endif
+
 namespace stackfuse {
 namespace hopper {
 
@@ -243,6 +276,16 @@ struct WarpSpecializedKernel
     static constexpr ProducerWarpRole WarpRoleLoadQ =
         kLoadsQSeparately ? ProducerWarpRole::MaybeLoadQ : ProducerWarpRole::LoadKV;
 
+#if defined(STACKFUSE_TIMELINE)
+    if (threadIdx.x == 0) {
+      if (auto* t = timeline::cta()) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        t[0] = timeline::now();
+        t[1] = smid;
+      }
+    }
+#endif
     TileScheduler tile_scheduler{params.tile_scheduler};
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
 
@@ -390,8 +433,20 @@ struct WarpSpecializedKernel
     } else {
       cutlass::arch::warpgroup_reg_alloc<Base::MmaRegisterRequirement>();
       constexpr int kOuterLoads = CollectiveMainloop::kOuterLoads;
+#if defined(STACKFUSE_TIMELINE)
+      unsigned long long* stamps = nullptr;
+      if (threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0 && timeline::cta() != nullptr) {
+        stamps = timeline::cta() + 2 + consumer_warp_group_idx * timeline::kPerWg;
+      }
+      int tiles_done = 0;
+#endif
       CUTLASS_PRAGMA_NO_UNROLL
       for (; tile_scheduler.is_valid(); ++tile_scheduler) {
+#if defined(STACKFUSE_TIMELINE)
+        if (stamps != nullptr && tiles_done < timeline::kTiles) {
+          stamps[2 + 2 * tiles_done] = timeline::now();
+        }
+#endif
         auto blk_coord = tile_scheduler.get_block_coord();
         auto wg_coord = blk_coord;
 
@@ -414,8 +469,20 @@ struct WarpSpecializedKernel
                  typename CollectiveMainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
                  epi_load_pipeline, storage.tensors.epilogue[consumer_warp_group_idx]);
         if constexpr (kEpilogueInTurn) math_wg_order_barrier.arrive();
+#if defined(STACKFUSE_TIMELINE)
+        if (stamps != nullptr && tiles_done < timeline::kTiles) {
+          stamps[3 + 2 * tiles_done] = timeline::now();
+        }
+        ++tiles_done;
+#endif
       }
       finish_stores(static_cast<CollectiveEpilogue const*>(nullptr));
+#if defined(STACKFUSE_TIMELINE)
+      if (stamps != nullptr) {
+        stamps[0] = tiles_done;
+        stamps[1] = timeline::now();
+      }
+#endif
     }
 #endif
   }
