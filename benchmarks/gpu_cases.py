@@ -232,6 +232,28 @@ CASES: list[Case] = [
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
     Case("split_fp16_s256_h32_small_causal", "stacked", 16, 256, 16, 32, 32, {"causal": "TopLeft"}),
+    # session 14: short causal launches at head dim 256 on the persistent kernel with three K/V
+    # stages (overlapkv3_128x64); bf16 bottom-right with a ragged key tile
+    Case(
+        "split_fp16_s256_h256_small_causal",
+        "stacked",
+        16,
+        256,
+        8,
+        256,
+        256,
+        {"causal": "TopLeft"},
+    ),
+    Case(
+        "split_bf16_s200_h256_small_causal",
+        "stacked",
+        16,
+        200,
+        8,
+        256,
+        256,
+        {"dtype": "bfloat16", "causal": "BottomRight"},
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -265,6 +287,8 @@ HOPPER_CASES = (
     "split_fp16_s256_h128_small",
     "split_bf16_s200_h128_small_causal",
     "split_fp16_s256_h32_small_causal",
+    "split_fp16_s256_h256_small_causal",
+    "split_bf16_s200_h256_small_causal",
 )
 
 

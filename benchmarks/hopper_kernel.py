@@ -209,6 +209,16 @@ def catalog() -> list[Slot]:
     # (run 80 also built deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at
     # head dim 64 and 10 on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and
     # 1.01x; not kept)
+    # session 14: head dim 256 in a persistent kernel (three K/V stages): the cooperative
+    # overlapc_128x64 runs its 128-row tiles in waves of one CTA per SM, each wave loading its
+    # tiles from scratch (timeline_session14: two waves of ~11 us at B16 S256 N8). Run 84 also
+    # built the example's ping-pong mainloop so (pingpongkv3_128x64: 26.1 us causal, 28.7
+    # non-causal at B16 S256 N8, 287.0 at B4 S2048 N8); not kept
+    add(f16, "overlapkv3_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
+    add(f16, "overlapkv3_128x64", "TopLeft@256", _HEADS_256, [(8, 8, 256)], [(8, 8, 256)])
+    add(f16, "overlapkv3_128x64", "BottomRight@256", [], [(8, 8, 256), (8, 2, 256)])
+    add(b16, "overlapkv3_128x64", "none@256", _HEADS_256)
+    add(b16, "overlapkv3_128x64", "TopLeft@256", [(8, 8, 256)])
     # session 14: %globaltimer stamps per CTA and tile (benchmarks/timeline_probe.py); N in
     # -DSTACKFUSE_TIMELINE=N names each object's stackfuse_timeline_set_N
     for n, (dtype, variant, causal, heads) in enumerate(
@@ -539,13 +549,24 @@ H128_SHAPES = [
     ("b1_s1024_q32_kv8_h128_gqa_causal", 1, 1024, 32, 8, 128, True, "float16"),  # Llama-3-8B
 ]
 
+#: every head-dim-256 shape of the main and sweep sets (``run --shapes h256``), plus B8 S512
+H256_SHAPES = [
+    *(sh for sh in (*BENCH_SHAPES, *SWEEP_SHAPES) if sh[5] == 256),
+    ("b8_s512_n8_h256", 8, 512, 8, 8, 256, False, "float16"),  # 256 tiles of 8 key tiles
+]
+
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
-    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_SHAPES when
-    HOPPER_BENCH_SHAPES is sweep / short / h128 (set by ``run --shapes``; the worker processes
-    inherit it)."""
+    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_SHAPES when
+    HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 (set by ``run --shapes``; the worker
+    processes inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
-    table = {"sweep": SWEEP_SHAPES, "short": SHORT_SHAPES, "h128": H128_SHAPES}
+    table = {
+        "sweep": SWEEP_SHAPES,
+        "short": SHORT_SHAPES,
+        "h128": H128_SHAPES,
+        "h256": H256_SHAPES,
+    }
     return table.get(chosen or "", BENCH_SHAPES)
 
 
@@ -1396,9 +1417,9 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=["main", "sweep", "short", "h128"],
+        choices=["main", "sweep", "short", "h128", "h256"],
         default="main",
-        help="BENCH_, SWEEP_, SHORT_ or H128_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_, H128_ or H256_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)

@@ -101,6 +101,8 @@ class Variant:
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
         if self.has(_LAZY):
             words += ", O rescaled only when a row maximum grows by more than 2^8"
+        if self.has(_KV3):
+            words += ", three K/V stages"
         if self.has(_Q_AHEAD):
             words += ", the next tile's Q loaded during this one (4 K/V stages, not 5)"
         if self.schedule in (_COOP, _PING) and not self.has(_EXAMPLE_EPILOGUE):
@@ -153,6 +155,9 @@ _OPTION = "cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::{}, cute::I
 #: the next tile's Q loaded during this one (two Q stages per consumer warpgroup instead of one),
 #: paid for with one K/V stage less (4 instead of 5: the shared memory of head dim 128)
 _Q_AHEAD = (_OPTION.format("kStagesQ", 4), _OPTION.format("kStagesKV", 4))
+#: three K/V stages: what fits next to 64 KB of Q and the epilogue's buffers in the persistent
+#: kernel at head dim 256
+_KV3 = (_OPTION.format("kStagesKV", 3),)
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
@@ -216,6 +221,18 @@ VARIANTS: dict[str, Variant] = {
         # short tiles (at most 256 keys), loses up to 12% where tiles are long (one K/V stage
         # less, run 79), so it is offered for short key ranges only
         Variant("pingpongq_128x128", _PING, 128, 128, _Q_AHEAD, offered_seq_kv=SHORT_SEQ_KV),
+        # overlapc_128x64's mainloop at head dim 256 in the persistent (ping-pong) kernel, with
+        # the three K/V stages that fit next to its 64 KB of Q and the epilogue's buffers: pays
+        # for short causal launches (run 84: B16 S256 N8 causal 6% faster), loses up to 63%
+        # where tiles have many key tiles, so it is offered for short key ranges only
+        Variant(
+            "overlapkv3_128x64",
+            _PING,
+            128,
+            64,
+            (*_KV3, *_OVERLAP, *_LAZY, *_EXAMPLE_EPILOGUE),
+            offered_seq_kv=SHORT_SEQ_KV,
+        ),
     )
 }
 
@@ -252,7 +269,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "tma1_64x128",
         "pingpongq_128x128",
     ),
-    256: ("overlapc_128x64", "coop_128x64"),
+    256: ("overlapc_128x64", "coop_128x64", "overlapkv3_128x64"),
 }
 
 #: Per shape class, the variant to use, from three H200 runs (benchmarks/results/
@@ -349,10 +366,16 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # 11, overlapc's first key tile through our own softmax): B4 S2048 N8 causal 144.4 vs 153.7
     # (151.4); B16 S256 N8 27.9 vs 28.8 (26.2), causal 27.2 vs 28.3 (25.3); B1 S1024 N8 25.8 vs
     # 28.0 (28.1), causal 26.2 vs 28.4 (28.3).
+    # Run 84 (session 14), persistent kernels in 128 x 64 tiles with three K/V stages against
+    # overlapc: overlapkv3_128x64 (overlapc's mainloop) B16 S256 N8 causal 25.2 vs 26.7 us, 9 of
+    # 9 rounds faster (cuDNN 25.5), but non-causal 29.1 vs 27.8 (cuDNN 26.2), B4 S2048 N8 287.2
+    # vs 192.1, B1 S1024 N8 41.6 vs 25.5, B8 S512 N8 45.4 vs 35.9; the example's ping-pong
+    # mainloop (pingpongkv3, not kept) 26.1 causal, 28.7 non-causal. So only the short causal
+    # class takes it, up to 256 keys (a "small" launch with longer keys falls back)
     (256, False, "large"): "overlapc_128x64",
     (256, True, "large"): "overlapc_128x64",
     (256, False, "small"): "overlapc_128x64",
-    (256, True, "small"): "overlapc_128x64",
+    (256, True, "small"): ("overlapkv3_128x64", "overlapc_128x64"),
     (256, False, "tiny"): "overlapc_128x64",
     (256, True, "tiny"): "overlapc_128x64",
 }
