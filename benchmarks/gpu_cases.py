@@ -232,8 +232,8 @@ CASES: list[Case] = [
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
     Case("split_fp16_s256_h32_small_causal", "stacked", 16, 256, 16, 32, 32, {"causal": "TopLeft"}),
-    # session 14: short causal launches at head dim 256 on the persistent kernel with three K/V
-    # stages (overlapkv3_128x64); bf16 bottom-right with a ragged key tile
+    # session 14: short causal launches at head dim 256 on the persistent kernel
+    # (overlapoq_128x64, O staged in the Q stage); bf16 bottom-right with a ragged key tile
     Case(
         "split_fp16_s256_h256_small_causal",
         "stacked",

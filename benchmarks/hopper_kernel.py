@@ -209,16 +209,18 @@ def catalog() -> list[Slot]:
     # (run 80 also built deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at
     # head dim 64 and 10 on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and
     # 1.01x; not kept)
-    # session 14: head dim 256 in a persistent kernel (three K/V stages): the cooperative
-    # overlapc_128x64 runs its 128-row tiles in waves of one CTA per SM, each wave loading its
-    # tiles from scratch (timeline_session14: two waves of ~11 us at B16 S256 N8). Run 84 also
-    # built the example's ping-pong mainloop so (pingpongkv3_128x64: 26.1 us causal, 28.7
-    # non-causal at B16 S256 N8, 287.0 at B4 S2048 N8); not kept
-    add(f16, "overlapkv3_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
-    add(f16, "overlapkv3_128x64", "TopLeft@256", _HEADS_256, [(8, 8, 256)], [(8, 8, 256)])
-    add(f16, "overlapkv3_128x64", "BottomRight@256", [], [(8, 8, 256), (8, 2, 256)])
-    add(b16, "overlapkv3_128x64", "none@256", _HEADS_256)
-    add(b16, "overlapkv3_128x64", "TopLeft@256", [(8, 8, 256)])
+    # session 14: head dim 256 in the persistent kernel. The cooperative overlapc_128x64 runs
+    # its 128-row tiles in waves of one CTA per SM, each wave loading its tiles from scratch
+    # (timeline_session14: two waves of ~11 us at B16 S256 N8). Run 84 built it with the three
+    # K/V stages that fit next to the epilogue's buffers (overlapkv3_128x64, pingpongkv3_128x64:
+    # faster only at B16 S256 N8 causal, up to 63% slower elsewhere); run 86 with O staged in
+    # the Q stage and five K/V stages (overlapoq_128x64, kept; pingpongoq_128x64, the example's
+    # mainloop: slower than overlapoq everywhere, not kept)
+    add(f16, "overlapoq_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
+    add(f16, "overlapoq_128x64", "TopLeft@256", _HEADS_256, [(8, 8, 256)], [(8, 8, 256)])
+    add(f16, "overlapoq_128x64", "BottomRight@256", [], [(8, 8, 256), (8, 2, 256)])
+    add(b16, "overlapoq_128x64", "none@256", _HEADS_256)
+    add(b16, "overlapoq_128x64", "TopLeft@256", [(8, 8, 256)])
     # session 14: %globaltimer stamps per CTA and tile (benchmarks/timeline_probe.py); N in
     # -DSTACKFUSE_TIMELINE=N names each object's stackfuse_timeline_set_N
     for n, (dtype, variant, causal, heads) in enumerate(

@@ -101,12 +101,13 @@ class Variant:
             words += ", our mainloop: softmax overlapped with the warpgroup's own P V"
         if self.has(_LAZY):
             words += ", O rescaled only when a row maximum grows by more than 2^8"
-        if self.has(_KV3):
-            words += ", three K/V stages"
         if self.has(_Q_AHEAD):
             words += ", the next tile's Q loaded during this one (4 K/V stages, not 5)"
         if self.schedule in (_COOP, _PING) and not self.has(_EXAMPLE_EPILOGUE):
-            words += ", our epilogue: one TMA store per warpgroup, out of turn"
+            turn = "in turn" if self.has(_OWN_IN_TURN) else "out of turn"
+            words += f", our epilogue: one TMA store per warpgroup, {turn}"
+        if self.has(_EPILOGUE_IN_Q):
+            words += ", O staged in the warpgroup's Q stage"
         if self.max_ctas is not None:
             words += f", for launches of at most {self.max_ctas} CTAs (one wave)"
         if self.offered_seq_kv is not None:
@@ -155,9 +156,11 @@ _OPTION = "cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::{}, cute::I
 #: the next tile's Q loaded during this one (two Q stages per consumer warpgroup instead of one),
 #: paid for with one K/V stage less (4 instead of 5: the shared memory of head dim 128)
 _Q_AHEAD = (_OPTION.format("kStagesQ", 4), _OPTION.format("kStagesKV", 4))
-#: three K/V stages: what fits next to 64 KB of Q and the epilogue's buffers in the persistent
-#: kernel at head dim 256
-_KV3 = (_OPTION.format("kStagesKV", 3),)
+#: O staged in the warpgroup's finished Q stage instead of buffers of its own (our epilogue,
+#: persistent kernels): at head dim 256 the room for five K/V stages instead of three
+_EPILOGUE_IN_Q = ("stackfuse::hopper::EpilogueInQ",)
+#: our epilogue in turn (what the overlapped mainloop wants, with the example's epilogue)
+_OWN_IN_TURN = ("stackfuse::hopper::OwnEpilogueInTurn",)
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
@@ -221,17 +224,16 @@ VARIANTS: dict[str, Variant] = {
         # short tiles (at most 256 keys), loses up to 12% where tiles are long (one K/V stage
         # less, run 79), so it is offered for short key ranges only
         Variant("pingpongq_128x128", _PING, 128, 128, _Q_AHEAD, offered_seq_kv=SHORT_SEQ_KV),
-        # overlapc_128x64's mainloop at head dim 256 in the persistent (ping-pong) kernel, with
-        # the three K/V stages that fit next to its 64 KB of Q and the epilogue's buffers: pays
-        # for short causal launches (run 84: B16 S256 N8 causal 6% faster), loses up to 63%
-        # where tiles have many key tiles, so it is offered for short key ranges only
+        # overlapc_128x64's mainloop at head dim 256 in the persistent (ping-pong) kernel, O
+        # staged in the warpgroup's finished Q stage so that five K/V stages fit next to 64 KB
+        # of Q, our epilogue in turn (the overlapped loop's stagger): run 86, faster than
+        # overlapc wherever a launch has more than one wave of tiles
         Variant(
-            "overlapkv3_128x64",
+            "overlapoq_128x64",
             _PING,
             128,
             64,
-            (*_KV3, *_OVERLAP, *_LAZY, *_EXAMPLE_EPILOGUE),
-            offered_seq_kv=SHORT_SEQ_KV,
+            (*_OVERLAP, *_LAZY, *_EPILOGUE_IN_Q, *_OWN_IN_TURN),
         ),
     )
 }
@@ -269,7 +271,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "tma1_64x128",
         "pingpongq_128x128",
     ),
-    256: ("overlapc_128x64", "coop_128x64", "overlapkv3_128x64"),
+    256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64"),
 }
 
 #: Per shape class, the variant to use, from three H200 runs (benchmarks/results/
@@ -366,16 +368,19 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # 11, overlapc's first key tile through our own softmax): B4 S2048 N8 causal 144.4 vs 153.7
     # (151.4); B16 S256 N8 27.9 vs 28.8 (26.2), causal 27.2 vs 28.3 (25.3); B1 S1024 N8 25.8 vs
     # 28.0 (28.1), causal 26.2 vs 28.4 (28.3).
-    # Run 84 (session 14), persistent kernels in 128 x 64 tiles with three K/V stages against
-    # overlapc: overlapkv3_128x64 (overlapc's mainloop) B16 S256 N8 causal 25.2 vs 26.7 us, 9 of
-    # 9 rounds faster (cuDNN 25.5), but non-causal 29.1 vs 27.8 (cuDNN 26.2), B4 S2048 N8 287.2
-    # vs 192.1, B1 S1024 N8 41.6 vs 25.5, B8 S512 N8 45.4 vs 35.9; the example's ping-pong
-    # mainloop (pingpongkv3, not kept) 26.1 causal, 28.7 non-causal. So only the short causal
-    # class takes it, up to 256 keys (a "small" launch with longer keys falls back)
-    (256, False, "large"): "overlapc_128x64",
-    (256, True, "large"): "overlapc_128x64",
-    (256, False, "small"): "overlapc_128x64",
-    (256, True, "small"): ("overlapkv3_128x64", "overlapc_128x64"),
+    # Session 14, persistent kernels in 128 x 64 tiles, us. Run 84: with the three K/V stages
+    # that fit next to the epilogue's own buffers (overlapkv3: overlapc's mainloop; pingpongkv3:
+    # the example's), B16 S256 N8 causal 25.2 / 26.1 vs overlapc 26.7 (cuDNN 25.5), elsewhere up
+    # to 63% slower (B4 S2048 N8 287 vs 192). Run 86: with O staged in the Q stage, five K/V
+    # stages (overlapoq: our epilogue in turn; pingpongoq: the example's mainloop, ours out of
+    # turn) vs overlapc, 9 of 9 rounds each: B4 S2048 N8 188.4 vs 191.3 (cuDNN 204.9), causal
+    # 124.6 vs 141.8 (146.7), B16 S256 N8 25.1 vs 27.7 (26.5), causal 23.7 vs 26.8 (25.5), B8
+    # S512 N8 34.3 vs 35.8 (36.8); pingpongoq 221.5, 148.7, 25.7, 24.3, 37.1. At B1 S1024 N8
+    # (64 CTAs, one partial wave) overlapc stays ahead: 25.5 vs 25.8, causal 25.7 vs 26.2
+    (256, False, "large"): "overlapoq_128x64",
+    (256, True, "large"): "overlapoq_128x64",
+    (256, False, "small"): "overlapoq_128x64",
+    (256, True, "small"): "overlapoq_128x64",
     (256, False, "tiny"): "overlapc_128x64",
     (256, True, "tiny"): "overlapc_128x64",
 }

@@ -108,16 +108,19 @@ def test_variants_by_head_dim() -> None:
     assert "pingpongq_128x128" in hopper.variants(stacked(seq=256, h=128))
     assert "tma_64x128" in hopper.variants(stacked(h=64))
     assert "pingpong3_192x128" in hopper.variants(stacked(h=64))
-    assert hopper.variants(stacked(h=256)) == ["overlapc_128x64", "coop_128x64"]
-    # the persistent head-dim-256 kernel: offered for at most 256 keys, picked for short causal
-    # launches only (run 84)
+    # head dim 256: the persistent kernel with O in the Q stage, except for launches of less
+    # than one wave of tiles (run 86)
+    assert hopper.variants(stacked(h=256)) == [
+        "overlapoq_128x64",
+        "overlapc_128x64",
+        "coop_128x64",
+    ]
     short256 = stacked(batch=16, seq=256, nq=8, nkv=8, h=256, causal="TopLeft")
-    assert hopper.variants(short256)[:2] == ["overlapkv3_128x64", "overlapc_128x64"]
-    assert hopper.pick(stacked(batch=16, seq=257, nq=8, nkv=8, h=256, causal="TopLeft")) == (
-        "overlapc_128x64"
-    )
-    assert hopper.pick(stacked(batch=16, seq=256, nq=8, nkv=8, h=256)) == "overlapc_128x64"
-    assert "three K/V stages" in hopper.VARIANTS["overlapkv3_128x64"].kind
+    assert hopper.pick(short256) == "overlapoq_128x64"
+    assert hopper.pick(stacked(batch=1, seq=1024, nq=8, nkv=8, h=256)) == "overlapc_128x64"
+    oq = hopper.VARIANTS["overlapoq_128x64"].kind
+    assert "O staged in the warpgroup's Q stage" in oq
+    assert "our epilogue: one TMA store per warpgroup, in turn" in oq
     assert hopper.variants(stacked(h=96)) == hopper.variants(stacked(h=128))
     assert hopper.variants(stacked(h=264)) == []
 
@@ -359,8 +362,10 @@ _ALLOWED_IDENTIFIERS = {
     "LazyRescale",
     # the causal tile order option (hopper_fmha.cuh)
     "ChunkedOrder",
-    # the example's epilogue in turn (hopper_kernel_ws.cuh)
+    # the example's epilogue in turn; ours in turn, O staged in the Q stage (hopper_kernel_ws.cuh)
     "ExampleEpilogue",
+    "OwnEpilogueInTurn",
+    "EpilogueInQ",
     # arguments that are no tensor (shape arguments TVM passes)
     "AnyView",
     "nullptr",
@@ -388,7 +393,7 @@ def _code_tokens(source: str) -> tuple[set[str], list[str]]:
         ("coop_128x64", 256),
         ("overlapc_128x64", 256),
         ("pingpongq_128x128", 128),
-        ("overlapkv3_128x64", 256),
+        ("overlapoq_128x64", 256),
     ],
 )
 @pytest.mark.parametrize("causal", ["none", "TopLeft", "BottomRight"])
@@ -490,7 +495,7 @@ def test_render_rejects_unknown_variant_and_unsupported_spec() -> None:
         ("pingpong_128x128", 128),
         ("pingpongq_128x128", 128),
         ("shortw_64x128", 64),
-        ("overlapkv3_128x64", 256),
+        ("overlapoq_128x64", 256),
     ],
 )
 def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int) -> None:
@@ -499,8 +504,8 @@ def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int) -
     pick for long sequences at head dim 128), with the example's mainloop and our epilogue out of
     turn (causal head dim 128), the same with two Q stages per warpgroup and four K/V stages
     (short prompts; its shared memory is checked against the H200's 227 KB at compile time), our
-    short-sequence kernel, and the persistent head-dim-256 kernel (64 KB of Q, three K/V stages
-    and the epilogue's buffers: at the limit too)."""
+    short-sequence kernel, and the persistent head-dim-256 kernel (64 KB of Q and five K/V stages,
+    O staged in the Q stage: at the limit too)."""
     spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h)
     ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", variant)
     compiled = compile_object(ks)

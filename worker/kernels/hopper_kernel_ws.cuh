@@ -95,12 +95,31 @@ template <class... Options>
 inline constexpr bool kExampleEpilogue =
     (std::is_same_v<Options, ExampleEpilogue> || ...) || (STACKFUSE_EPILOGUE_IN_TURN == 1);
 
+// Option tag: our epilogue, in turn (the overlapped mainloop's stagger, with our epilogue)
+struct OwnEpilogueInTurn {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1007);  // not CUTLASS's
+  using option_value = cute::true_type;
+};
+
 template <class... Options>
-inline constexpr bool kEpilogueInTurn =
-    kExampleEpilogue<Options...> || (STACKFUSE_EPILOGUE_IN_TURN == 2);
+inline constexpr bool kEpilogueInTurn = kExampleEpilogue<Options...> ||
+                                        (std::is_same_v<Options, OwnEpilogueInTurn> || ...) ||
+                                        (STACKFUSE_EPILOGUE_IN_TURN == 2);
+
+// Option tag (persistent kernels, our epilogue): O staged in the warpgroup's own Q stage, which is
+// released to the Q warp only once the TMA store has read it, instead of a buffer of its own:
+// 32 KB freed at head dim 128 for a sixth K/V stage or a second Q stage (session 13, not kept
+// there), 64 KB at head dim 256 for five K/V stages instead of three (session 14)
+struct EpilogueInQ {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1006);  // not CUTLASS's
+  using option_value = cute::true_type;
+};
+
+template <class... Options>
+inline constexpr bool kEpilogueInQ = (std::is_same_v<Options, EpilogueInQ> || ...);
 
 // A consumer warpgroup's epilogue: LSE as the example's (`FmhaFwdEpilogue`), O in one TMA store.
-template <class Element, class ElementAccumulator, class TileShapePV>
+template <class Element, class ElementAccumulator, class TileShapePV, bool kInQ = false>
 struct OwnEpilogue {
   static constexpr int kM = cute::get<0>(TileShapePV{});  // rows of a warpgroup
   static constexpr int kD = cute::get<1>(TileShapePV{});  // head dim (the tile's)
@@ -138,9 +157,12 @@ struct OwnEpilogue {
     StrideLSE dLSE;
     TmaStoreO tma_store_o;
   };
-  struct TensorStorage {
+  struct Buffer {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>, 1024> smem_o;
   };
+  struct NoBuffer {};  // kInQ: the kernel hands over the warpgroup's Q stage
+  using TensorStorage = std::conditional_t<kInQ, NoBuffer, Buffer>;
+  static constexpr int kBufferBytes = int(sizeof(Element)) * int(cute::cosize_v<SmemLayoutO>);
   // The kernel builds an epilogue load pipeline (for C, which we do not read): the smallest one.
   using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
   using PipelineStorage = typename LoadPipeline::SharedStorage;
@@ -158,6 +180,19 @@ struct OwnEpilogue {
                                  ResultTuple const& result, TiledMma const& tiled_mma,
                                  ProblemShape const& problem_size, Params const& params,
                                  LoadPipeline, TensorStorage& storage) {
+    static_assert(!kInQ, "the kernel calls store() with the Q stage");
+    store(tile_shape, blk_coord, result, tiled_mma, problem_size, params,
+          storage.smem_o.data());
+  }
+
+  // O through `smem` (kBufferBytes, 1024-aligned, not read by anyone until the store has read
+  // it: the leader thread's tma_store_wait says when)
+  template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma,
+            class ProblemShape>
+  CUTLASS_DEVICE void store(TileShape const& tile_shape, BlkCoord const& blk_coord,
+                            ResultTuple const& result, TiledMma const& tiled_mma,
+                            ProblemShape const& problem_size, Params const& params,
+                            Element* smem) {
     using namespace cute;
     using X = Underscore;
     auto const& acc = get<0>(result);
@@ -203,7 +238,7 @@ struct OwnEpilogue {
     // CUTLASS's reserved ones; nothing else in these kernels uses named barriers)
     int const barrier = cutlass::canonical_warp_group_idx();
     bool const leader = thread_idx == 0;
-    Tensor sO = make_tensor(make_smem_ptr(storage.smem_o.data()), SmemLayoutO{});
+    Tensor sO = make_tensor(make_smem_ptr(smem), SmemLayoutO{});
     auto tiled_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, tiled_mma);
     auto thr_copy = tiled_copy.get_thread_slice(thread_idx);
     Tensor tRs = thr_copy.retile_S(tOrO);
@@ -229,8 +264,9 @@ struct OwnEpilogue {
 // flight; the example's epilogue waits for its own.
 template <class Epilogue>
 CUTLASS_DEVICE void finish_stores(Epilogue const*) {}
-template <class Element, class ElementAccumulator, class TileShapePV>
-CUTLASS_DEVICE void finish_stores(OwnEpilogue<Element, ElementAccumulator, TileShapePV> const*) {
+template <class Element, class ElementAccumulator, class TileShapePV, bool kInQ>
+CUTLASS_DEVICE void finish_stores(
+    OwnEpilogue<Element, ElementAccumulator, TileShapePV, kInQ> const*) {
   cute::tma_store_wait<0>();
 }
 
@@ -239,7 +275,7 @@ template <class Element, class TileShapePV, class... Options>
 using WarpSpecializedEpilogue =
     std::conditional_t<kExampleEpilogue<Options...>,
                        cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, TileShapePV>,
-                       OwnEpilogue<Element, float, TileShapePV>>;
+                       OwnEpilogue<Element, float, TileShapePV, kEpilogueInQ<Options...>>>;
 
 template <class CollectiveMainloop, class CollectiveEpilogue, class TileScheduler,
           class... Options>
@@ -266,6 +302,10 @@ struct WarpSpecializedKernel
   static constexpr bool kEpilogueInTurn =
       Base::kIsEpilogueLocked || stackfuse::hopper::kEpilogueInTurn<Options...>;
   static_assert(Base::SharedStorageSize <= 227 * 1024, "shared storage above the H200's 227 KB");
+  static constexpr bool kOInQ = kEpilogueInQ<Options...>;
+  static_assert(!kOInQ || (CollectiveMainloop::kIsPersistent && !kExampleEpilogue<Options...>),
+                "O in the Q stage: the persistent kernels with our epilogue");
+  static_assert(!kOInQ || size(ClusterShape{}) == 1, "O in the Q stage: no cluster");
 
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
 #if defined(CUTLASS_ARCH_MMA_SM90A_ENABLED)
@@ -306,7 +346,9 @@ struct WarpSpecializedKernel
     PipelineParamsOuter pipeline_params_outer;
     pipeline_params_outer.transaction_bytes = CollectiveMainloop::kOuterLoadBytes;
     pipeline_params_outer.is_leader = lane_predicate && (producer_warp_role == WarpRoleLoadQ);
-    pipeline_params_outer.num_consumers = cutlass::NumThreadsPerWarpGroup;
+    // with O in the Q stage, a stage is free once its warpgroup released it (128 arrivals) and
+    // the epilogue's store has read it (one more, the storing thread's)
+    pipeline_params_outer.num_consumers = cutlass::NumThreadsPerWarpGroup + (kOInQ ? 1 : 0);
 
     PipelineParamsInner pipeline_params_inner;
     pipeline_params_inner.transaction_bytes = CollectiveMainloop::kInnerLoadBytes;
@@ -452,6 +494,7 @@ struct WarpSpecializedKernel
 
         // this warpgroup's Q stage, and its query block within the CTA's tile
         smem_pipe_read_outer.advance(consumer_warp_group_idx * kOuterLoads);
+        PipelineStateOuter const q_state = smem_pipe_read_outer;  // this tile's Q stage
         constexpr int wg_dim = is_constant<0, decltype(get<1>(wg_coord))>::value ? 0 : 1;
         auto& wg_block = get<wg_dim>(wg_coord);
         wg_block = NumMmaWarpGroups * wg_block + consumer_warp_group_idx;
@@ -465,9 +508,27 @@ struct WarpSpecializedKernel
 
         if constexpr (kEpilogueInTurn) math_wg_order_barrier.wait();
         CollectiveEpilogue epilogue;
-        epilogue(typename CollectiveMainloop::TileShapePV{}, wg_coord, result,
-                 typename CollectiveMainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
-                 epi_load_pipeline, storage.tensors.epilogue[consumer_warp_group_idx]);
+        if constexpr (kOInQ) {
+          using ElementQ = typename CollectiveMainloop::Element;
+          constexpr int kStageElems = CollectiveMainloop::kOuterLoadBytes / int(sizeof(ElementQ));
+          static_assert(CollectiveEpilogue::kBufferBytes <= CollectiveMainloop::kOuterLoadBytes);
+          static_assert(kStageElems * int(sizeof(ElementQ)) % 1024 == 0);
+          ElementQ* q_stage =
+              storage.tensors.mainloop.smem_q.data() + q_state.index() * kStageElems;
+          epilogue.store(typename CollectiveMainloop::TileShapePV{}, wg_coord, result,
+                         typename CollectiveMainloop::TiledMmaPV{}, params.problem_size,
+                         params.epilogue, q_stage);
+          // the storing thread: once its store has read the stage, hand the stage to the Q warp
+          if (threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0) {
+            tma_store_wait<0>();
+            pipeline_outer.consumer_release(q_state);
+          }
+        } else {
+          epilogue(typename CollectiveMainloop::TileShapePV{}, wg_coord, result,
+                   typename CollectiveMainloop::TiledMmaPV{}, params.problem_size,
+                   params.epilogue, epi_load_pipeline,
+                   storage.tensors.epilogue[consumer_warp_group_idx]);
+        }
         if constexpr (kEpilogueInTurn) math_wg_order_barrier.arrive();
 #if defined(STACKFUSE_TIMELINE)
         if (stamps != nullptr && tiles_done < timeline::kTiles) {
