@@ -15,8 +15,9 @@
 // once would race (session 8).
 //
 // `OwnEpilogue` stores a warpgroup's whole O tile with one TMA store from shared memory of its
-// own (in the persistent kernels; the others alias it with the warpgroup's finished Q stage, as
-// the example's epilogue does), syncs on a named barrier of its own, and does not wait for the
+// own (in the persistent kernels, unless `EpilogueInQ` stages it in the warpgroup's finished Q
+// stage as the non-persistent kernels always do, like the example's epilogue; session 14: the
+// head-dim-256 persistent kernel), syncs on a named barrier of its own, and does not wait for the
 // store: the next tile's epilogue waits before it writes the buffer again, and the kernel waits
 // once before it exits. No `alpha * acc` (the example's linear combination with alpha 1).
 // `WarpSpecializedKernel` derives from the example's kernel (types, Params, shared storage,
