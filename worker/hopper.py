@@ -224,16 +224,6 @@ VARIANTS: dict[str, Variant] = {
         # short tiles (at most 256 keys), loses up to 12% where tiles are long (one K/V stage
         # less, run 79), so it is offered for short key ranges only
         Variant("pingpongq_128x128", _PING, 128, 128, _Q_AHEAD, offered_seq_kv=SHORT_SEQ_KV),
-        # session 14 experiment: the same with O staged in the Q stage, so that the K/V
-        # pipeline keeps its fifth stage (run 82 timed it at long shapes only: 0.95-0.98x)
-        Variant(
-            "pingpongqo_128x128",
-            _PING,
-            128,
-            128,
-            (_OPTION.format("kStagesQ", 4), *_EPILOGUE_IN_Q),
-            offered_seq_kv=SHORT_SEQ_KV,
-        ),
         # overlapc_128x64's mainloop at head dim 256 in the persistent (ping-pong) kernel, O
         # staged in the warpgroup's finished Q stage so that five K/V stages fit next to 64 KB
         # of Q, our epilogue in turn (the overlapped loop's stagger): run 86, faster than
@@ -259,7 +249,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "tma_64x128",
         "coop_128x64",
         "pingpongq_128x128",
-        "pingpongqo_128x128",
     ),
     64: (
         "overlap3_192x128",
@@ -281,7 +270,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpongB_128x128",
         "tma1_64x128",
         "pingpongq_128x128",
-        "pingpongqo_128x128",
     ),
     256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64"),
 }
