@@ -560,6 +560,11 @@ H256_SHAPES = [
     ("b8_s512_n8_h256", 8, 512, 8, 8, 256, False, "float16"),  # 256 tiles of 8 key tiles
 ]
 
+#: every shape of every set, by name (the probes' --shape choices)
+ALL_SHAPES = {
+    s[0]: s for s in (*BENCH_SHAPES, *SWEEP_SHAPES, *SHORT_SHAPES, *H128_SHAPES, *H256_SHAPES)
+}
+
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
     """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_SHAPES when

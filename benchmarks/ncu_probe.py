@@ -18,17 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hopper_kernel import (
-    BENCH_SHAPES,
-    H128_SHAPES,
-    LIB_NAME,
-    SHORT_SHAPES,
-    SWEEP_SHAPES,
-    _bench_slots,
-    _setup_runtime,
-)
-
-ALL_SHAPES = {s[0]: s for s in (*BENCH_SHAPES, *SWEEP_SHAPES, *SHORT_SHAPES, *H128_SHAPES)}
+from hopper_kernel import ALL_SHAPES, LIB_NAME, _bench_slots, _setup_runtime
 
 
 def main() -> int:

@@ -48,17 +48,21 @@
 
 // A probe (session 14), only in objects built with -DSTACKFUSE_TIMELINE=N: %globaltimer stamps
 // at each CTA's start and around each consumer warpgroup's tiles, into a buffer the host names
-// with stackfuse_timeline_set_N() (benchmarks/timeline_probe.py). Why: Nsight Compute gives each
-// SM's active cycles, not when each CTA started and ended, which is what tells a late start from
-// an uneven end. N tells the objects of one library apart.
+// with stackfuse_timeline_set_N(pointer, CTAs it holds) (benchmarks/timeline_probe.py). Why:
+// Nsight Compute gives each SM's active cycles, not when each CTA started and ended, which is
+// what tells a late start from an uneven end. N tells the objects of one library apart.
 #if defined(STACKFUSE_TIMELINE)
 #include <cuda_runtime.h>
 #define STACKFUSE_CAT2(a, b) a##b
 #define STACKFUSE_CAT(a, b) STACKFUSE_CAT2(a, b)
 static __device__ unsigned long long* stackfuse_timeline_buf = nullptr;
+static __device__ unsigned stackfuse_timeline_ctas = 0;  // CTAs the buffer holds
 extern "C" __attribute__((visibility("default"))) int STACKFUSE_CAT(stackfuse_timeline_set_,
-                                                                   STACKFUSE_TIMELINE)(void* ptr) {
-  return static_cast<int>(cudaMemcpyToSymbol(stackfuse_timeline_buf, &ptr, sizeof(ptr)));
+                                                                   STACKFUSE_TIMELINE)(
+    void* ptr, unsigned ctas) {
+  cudaError_t err = cudaMemcpyToSymbol(stackfuse_timeline_buf, &ptr, sizeof(ptr));
+  if (err == cudaSuccess) err = cudaMemcpyToSymbol(stackfuse_timeline_ctas, &ctas, sizeof(ctas));
+  return static_cast<int>(err);
 }
 namespace stackfuse::hopper::timeline {
 // per CTA (linear block index): [0] start, [1] SM id, then per consumer warpgroup w at
@@ -74,6 +78,7 @@ __device__ __forceinline__ unsigned long long now() {
 __device__ __forceinline__ unsigned long long* cta() {
   if (stackfuse_timeline_buf == nullptr) return nullptr;
   unsigned const b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (b >= stackfuse_timeline_ctas) return nullptr;  // past the buffer: not stamped
   return stackfuse_timeline_buf + size_t(b) * kPerCta;
 }
 }  // namespace stackfuse::hopper::timeline
