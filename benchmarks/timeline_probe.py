@@ -122,8 +122,17 @@ def main() -> int:
         n, shape_name = probe.split(":")
         _name, b, s, nq, nkv, h, _causal, dtype = ALL_SHAPES[shape_name]
         slot = next(
-            x for x in manifest if f"timeline{n}_" in x["symbol"] and x["kind"] == "stacked"
+            (
+                x
+                for x in manifest
+                if f"timeline{n}_" in x["symbol"]
+                and x["kind"] == "stacked"
+                and (x["nq"], x["nkv"], x["head_dim"]) == (nq, nkv, h)
+            ),
+            None,
         )
+        if slot is None:
+            raise SystemExit(f"{probe}: no timeline object {n} for Nq {nq}, Nkv {nkv}, H {h}")
         wgs = 2  # every probed kernel has two consumer warpgroups
         dt = torch.float16 if dtype == "float16" else torch.bfloat16
         qkv = torch.randn(b, s, (nq + 2 * nkv) * h, device="cuda").to(dt)
