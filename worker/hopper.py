@@ -159,7 +159,8 @@ _Q_AHEAD = (_OPTION.format("kStagesQ", 4), _OPTION.format("kStagesKV", 4))
 #: O staged in the warpgroup's finished Q stage instead of buffers of its own (our epilogue,
 #: persistent kernels): at head dim 256 the room for five K/V stages instead of three
 _EPILOGUE_IN_Q = ("stackfuse::hopper::EpilogueInQ",)
-#: our epilogue in turn (what the overlapped mainloop wants, with the example's epilogue)
+#: our epilogue in turn: the stagger the overlapped mainloop wants (in the other overlapped
+#: kernels the example's epilogue, in turn, gives it)
 _OWN_IN_TURN = ("stackfuse::hopper::OwnEpilogueInTurn",)
 
 
