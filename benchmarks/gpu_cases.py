@@ -254,6 +254,18 @@ CASES: list[Case] = [
         256,
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
+    # session 15: the 256-key short kernel with its exponentials overlapping its own P V
+    # (shortwo_64x256), bf16 GQA 16/4 bottom-right at a ragged 250 keys
+    Case(
+        "split_bf16_gqa_q16_kv4_s250_h64_bottomright",
+        "stacked",
+        4,
+        250,
+        16,
+        64,
+        64,
+        {"n_kv": 4, "dtype": "bfloat16", "causal": "BottomRight"},
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -289,6 +301,7 @@ HOPPER_CASES = (
     "split_fp16_s256_h32_small_causal",
     "split_fp16_s256_h256_small_causal",
     "split_bf16_s200_h256_small_causal",
+    "split_bf16_gqa_q16_kv4_s250_h64_bottomright",
 )
 
 

@@ -106,6 +106,8 @@ class Variant:
         if self.schedule in (_COOP, _PING) and not self.has(_EXAMPLE_EPILOGUE):
             turn = "in turn" if self.has(_OWN_IN_TURN) else "out of turn"
             words += f", our epilogue: one TMA store per warpgroup, {turn}"
+        if self.has(_SHORT_PIPELINED):
+            words += ", its exponentials overlapping its own P V in chunks of 64 keys"
         if self.has(_EPILOGUE_IN_Q):
             words += ", O staged in the warpgroup's Q stage"
         if self.max_ctas is not None:
@@ -164,6 +166,10 @@ _EPILOGUE_IN_Q = ("stackfuse::hopper::EpilogueInQ",)
 _OWN_IN_TURN = ("stackfuse::hopper::OwnEpilogueInTurn",)
 
 
+#: the short-sequence kernel's exponentials overlapping its own P V (hopper_short.cuh)
+_SHORT_PIPELINED = ("stackfuse::hopper::ShortPipelined",)
+
+
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
 SMS = 132
 #: key lengths up to which a launch counts as "small" too: one or two key tiles per CTA, where
@@ -185,6 +191,12 @@ VARIANTS: dict[str, Variant] = {
         # per CTA, wgmma ("w"; session 4's mma.sync short_* kernels are gone, slower everywhere)
         Variant("shortw_64x128", _SHORT, 64, 128, max_seq_kv=128),
         Variant("shortw_64x256", _SHORT, 64, 256, max_seq_kv=256),
+        # the same, its exponentials overlapping its own P V (in two halves of the keys; session
+        # 15). At 128 keys that needs more than the 96 registers of five CTAs per SM (ptxas
+        # spilled and serialized the wgmma there), so that one runs four per SM: faster within
+        # one wave (B4 S128 N12 3.28 vs 3.41 us), slower past it (BERT-base 10.83 vs 9.52; run 91)
+        Variant("shortwo_64x128", _SHORT, 64, 128, _SHORT_PIPELINED, max_seq_kv=128),
+        Variant("shortwo_64x256", _SHORT, 64, 256, _SHORT_PIPELINED, max_seq_kv=256),
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
@@ -263,6 +275,8 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "tmaB_64x128",
         "shortw_64x128",
         "shortw_64x256",
+        "shortwo_64x128",
+        "shortwo_64x256",
     ),
     128: (
         "overlap_128x128",
@@ -325,17 +339,24 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # short kernel's loads lost their per-copy address arithmetic; B8 S2048 Nq32 Nkv8 H128 took
     # the cooperative kernel from run 3's best-of-two passes until the medians of runs 7 and 10
     # said ping-pong: 957 vs 984 us and 954 vs 983 us).
-    (64, False, "small"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
+    # Session 15 (run 90, 9 rounds, paired): shortwo_64x256 (its exponentials overlapping its
+    # own P V) vs shortw_64x256: GQA 16/4 28.44 vs 28.93 us (cuDNN 28.71), B16 S256 N12 13.76
+    # vs 14.05 (13.49), 9 of 9 rounds each
+    (64, False, "small"): ("shortw_64x128", "shortwo_64x256", "pingpong_128x128"),
     # B32 S128 N12 causal: shortw_64x128 10.2 us vs pingpong_128x128 12.3 (cuDNN 11.3; run 18);
     # B16 S256 N12 causal: shortw_64x256, computing only the keys a block sees, 14.4 vs 15.2
-    # (cuDNN 13.9; run 21)
-    (64, True, "small"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
+    # (cuDNN 13.9; run 21); shortwo_64x256 14.16 vs 14.27, 9 of 9 rounds (cuDNN 13.98; run 90)
+    (64, True, "small"): ("shortw_64x128", "shortwo_64x256", "pingpong_128x128"),
     # B4 S128 N12: shortw_64x128 3.4 us vs tma_64x128 4.2, pingpong_128x128 5.4 (cuDNN 4.8);
-    # B2 S256 N12: shortw_64x256 4.4 vs tma_64x128 5.4 (cuDNN 5.9; run 18)
-    (64, False, "tiny"): ("shortw_64x128", "shortw_64x256", "tma_64x128"),
+    # B2 S256 N12: shortw_64x256 4.4 vs tma_64x128 5.4 (cuDNN 5.9; run 18). Pipelined (session
+    # 15, 9 of 9 rounds each in runs 91 / 92): B4 S128 shortwo_64x128 3.28 / 3.37 vs 3.41 /
+    # 3.45 (cuDNN 4.84 / 4.73); B2 S256 shortwo_64x256 4.14 vs 4.48 (cuDNN 5.96; run 91). A
+    # tiny launch is at most 264 CTAs of 64 rows: one wave at four per SM
+    (64, False, "tiny"): ("shortwo_64x128", "shortwo_64x256", "tma_64x128"),
     # B4 S128 N12 causal: shortw_64x128 3.6 us vs pingpong_128x128 5.7 (cuDNN 5.2; run 21); B2
-    # S256 N12 causal: shortw_64x256 5.4 vs 7.6 (cuDNN 6.2; run 22)
-    (64, True, "tiny"): ("shortw_64x128", "shortw_64x256", "pingpong_128x128"),
+    # S256 N12 causal: shortw_64x256 5.4 vs 7.6 (cuDNN 6.2; run 22). Pipelined (run 91, 9 of 9
+    # rounds each): shortwo_64x128 3.51 vs 3.60 (cuDNN 5.15), shortwo_64x256 5.17 vs 5.33 (6.06)
+    (64, True, "tiny"): ("shortwo_64x128", "shortwo_64x256", "pingpong_128x128"),
     # overlap_128x128 vs pingpong_128x128 (run 25, us): B8 S2048 N16 431.4 vs 443.8, B4 S4096
     # N32 1801.5 vs 1811.9, GQA 32/8 921.0 vs 932.1, bf16 415.2 vs 431.8; over runs 24-28 1-3%
     # faster at all but B4 S4096 (+1.1, +0.6, -3.2, -3.5, +2.9%); ping-pong before: 645 / 609 /

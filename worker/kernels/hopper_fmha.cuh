@@ -453,6 +453,13 @@ struct GroupedMainloop : Base {
   }
 };
 
+// Option tag of the short-sequence kernel: its exponentials overlap its own P V (in chunks of
+// 64 keys; hopper_short.cuh, softmax_pv_pipelined)
+struct ShortPipelined {};
+
+template <class... Options>
+inline constexpr bool kShortPipelined = (std::is_same_v<Options, ShortPipelined> || ...);
+
 // Schedule tag of our short-sequence kernel (hopper_short.cuh: at most 128 or 256 keys, head
 // dim <= 64)
 struct ShortSeq {};
@@ -563,6 +570,7 @@ struct Config {
   static constexpr bool kGrouped = Composed::kGrouped;
   // heads in the problem shape's mode 0 (walked before the batch), else the example's order
   static constexpr bool kHeadsMode0 = kHeadsFirst<Options...>;
+  static constexpr bool kShortPipelined = hopper::kShortPipelined<Options...>;
 };
 
 constexpr double kLog2e = 1.4426950408889634;  // the kernels take the softmax scale in base 2
@@ -705,7 +713,7 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
   dim3 const grid((p.seq_q + ss::kRows - 1) / ss::kRows, p.q_heads, p.batch);
   constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
   constexpr int kSmem = ss::smem_bytes<kKeys>();
-  constexpr auto kFn = ss::kernel<T, kCausal, kKeys>;
+  constexpr auto kFn = ss::kernel<T, kCausal, kKeys, Cfg::kShortPipelined>;
   Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
   if (st != Status::kOk) return st;
   kFn<<<grid, ss::kThreads, kSmem, stream>>>(sp);

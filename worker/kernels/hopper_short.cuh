@@ -284,6 +284,62 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
   fence();
 }
 
+// The softmax's exponentials and P V in two halves of the keys: the first half's wgmma group is
+// committed and left running while the second half is exponentiated, so the exponentials
+// (MUFU) overlap the tensor core's P V inside the warpgroup, not only across CTAs (run 90: GQA
+// 16/4 B32 S256 28.44 vs 28.93 us, B2 S256 N12 4.12 vs 4.41). Not in quarters: with three
+// quarters of S still in registers when the first group is issued, the 168 registers of three
+// CTAs per SM are too few and ptxas serializes the wgmma (C7512); at 128 keys even halves need
+// more than the 96 registers of five CTAs per SM, so the pipelined 128-key kernel runs four.
+// `base` as for exponentiate(); o and l zeroed by the caller; waits for every group at the end.
+template <class T, int kN>
+__device__ __forceinline__ void softmax_pv_pipelined(float (&s)[kN][4], float const (&base)[2],
+                                                     float scale_log2, uint4 const* sV,
+                                                     uint4 const* sOnes, float (&o)[8][4],
+                                                     float (&l)[4]) {
+  constexpr int kSteps = kN / 2;  // k-steps of 16 keys
+  constexpr int kChunk = kSteps < 4 ? kSteps : kSteps / 2;  // one group below 64 keys
+  static_assert(kSteps % kChunk == 0, "whole chunks");
+  uint32_t pa[kSteps][4];
+  uint64_t const dv = sw128_desc(sV, 0);
+  uint64_t const d1 = ones_desc(sOnes);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+#pragma unroll
+  for (int c = 0; c < kSteps / kChunk; ++c) {
+#pragma unroll
+    for (int kk = c * kChunk; kk < (c + 1) * kChunk; ++kk) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[2 * kk + h][e] = exp2_ftz(s[2 * kk + h][e] * scale_log2 - base[e >> 1]);
+        }
+      }
+      pa[kk][0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(pa[kk][j]);
+    }
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = c * kChunk; kk < (c + 1) * kChunk; ++kk) {
+      gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
+      gmma_sum<T>(pa[kk], d1, l);
+    }
+    cute::warpgroup_commit_batch();
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+}
+
 // Keys past seq_kv (and, causal, past row + causal_offset) to -inf. Uniform skip: a full
 // non-causal tile needs no mask.
 template <bool kCausal, int kN>
@@ -372,7 +428,7 @@ __device__ __forceinline__ void land() {
 // One work item whose Q and K have landed in sQ/sK (the first cp.async group waited on, proxy
 // fenced, CTA synchronized), every key in one tile: S = Q K^T, softmax, then wait for V (the
 // last group) and the ones, O = P V with the row sums, out.
-template <class T, bool kCausal, int kKeys>
+template <class T, bool kCausal, int kKeys, bool kPipelined>
 __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* sV,
                                        uint4 const* sOnes, Params const& p, Item<T> const& it) {
   constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
@@ -383,13 +439,17 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
   row_max(s, mx);
 #pragma unroll
   for (int i = 0; i < 2; ++i) mx[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
-  exponentiate(s, mx, p.scale_log2);
+  if constexpr (!kPipelined) exponentiate(s, mx, p.scale_log2);
   land<0>();
   float o[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float l[4] = {0.f, 0.f, 0.f, 0.f};  // rows r0 and r0 + 8: l[0] and l[2]
-  product_pv<T>(s, sV, sOnes, o, l);
+  if constexpr (kPipelined) {
+    softmax_pv_pipelined<T>(s, mx, p.scale_log2, sV, sOnes, o, l);
+  } else {
+    product_pv<T>(s, sV, sOnes, o, l);
+  }
   // 1 / row sum; 0 for a row with no key (P all zero), which comes out as zeros
   float const inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[2] > 0.f ? 1.f / l[2] : 0.f};
   store_out<T>(o, inv, sQ, p, it);
@@ -401,9 +461,12 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
 // average at S 256): B16 S256 N12 15.2 -> 14.4 us (run 21). Not at 128 keys, where the two
 // copies of the math cost more than the first block's 64 keys save (10.2 -> 10.4 us).
 // Registers: ~96 at 128 keys, <= 168 at 256: as many CTAs per SM (5, 3) as the shared memory
-// allows (without the bound at 256 keys nvcc takes 228 and only two fit)
-template <class T, bool kCausal, int kKeys>
-__global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 3) kernel(Params const p) {
+// allows (without the bound at 256 keys nvcc takes 228 and only two fit). kPipelined: the
+// exponentials overlap P V (softmax_pv_pipelined; option ShortPipelined, variants shortwo),
+// at 128 keys with four CTAs per SM (110 registers), the fifth's registers being what it needs.
+template <class T, bool kCausal, int kKeys, bool kPipelined = false>
+__global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
+    kernel(Params const p) {
   extern __shared__ __align__(1024) uint4 smem[];
   uint4* sQ = smem;
   uint4* sK = sQ + kRows * kChunks;
@@ -423,15 +486,15 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? 5 : 3) kernel(Params 
   fill_ones<T>(sOnes, tid);
   land<1>();
   if constexpr (!kCausal || kKeys == 128) {
-    attend<T, kCausal, kKeys>(sQ, sK, sV, sOnes, p, it);
+    attend<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 64) {
-    attend<T, true, 64>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 64, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 128) {
-    attend<T, true, 128>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 128, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 192) {
-    attend<T, true, 192>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 192, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else {
-    attend<T, true, 256>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 256, kPipelined>(sQ, sK, sV, sOnes, p, it);
   }
 }
 
