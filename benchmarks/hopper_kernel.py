@@ -186,14 +186,14 @@ def catalog() -> list[Slot]:
     # session 11) and ours in turn (=2), against ours out of turn unless the variant keeps the
     # example's (hopper_kernel_ws.cuh)
     turn = ("-DSTACKFUSE_EPILOGUE_IN_TURN=1",)
-    for flags in (turn, ("-DSTACKFUSE_EPILOGUE_IN_TURN=2",)):
-        add(f16, "pingpong_128x128", "none", [h128], flags=flags)
-        add(f16, "overlap_128x128", "none", [h128, (32, 8, 128)], flags=flags)
-        add(f16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)], flags=flags)
-        add(b16, "overlap_128x128", "none", [h128], flags=flags)
-        add(f16, "overlap_128x128", "none@32", _HEADS_32, flags=flags)
-        add(f16, "overlap3_192x128", "none@64", _HEADS_64, flags=flags)
-        add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], flags=flags)
+    for ab in (turn, ("-DSTACKFUSE_EPILOGUE_IN_TURN=2",)):
+        add(f16, "pingpong_128x128", "none", [h128], flags=ab)
+        add(f16, "overlap_128x128", "none", [h128, (32, 8, 128)], flags=ab)
+        add(f16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)], flags=ab)
+        add(b16, "overlap_128x128", "none", [h128], flags=ab)
+        add(f16, "overlap_128x128", "none@32", _HEADS_32, flags=ab)
+        add(f16, "overlap3_192x128", "none@64", _HEADS_64, flags=ab)
+        add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], flags=ab)
     add(f16, "pingpong_128x128", "TopLeft", [h128], flags=turn)
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, flags=turn)
     # session 13: the next tile's Q loaded during this one (two Q stages per warpgroup, four K/V
