@@ -135,14 +135,7 @@ def catalog() -> list[Slot]:
     add(b16, "coop_128x64", "none@256", _HEADS_256)
     # our short-sequence kernel (wgmma; at most 128 or 256 keys, numerics within that only)
     gqa = (16, 4, 64)
-    for w in (
-        "shortw_64x128",
-        "shortw_64x256",
-        "shortwo_64x128",
-        "shortwo_64x256",
-        "shortwq_64x128",
-        "shortwq_64x256",
-    ):
+    for w in ("shortw_64x128", "shortw_64x256", "shortwo_64x128", "shortwo_64x256"):
         add(f16, w, "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
         add(f16, w, "TopLeft@64", [(12, 12, 64), gqa], [gqa])
         add(f16, w, "BottomRight@64", [], [gqa])

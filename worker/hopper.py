@@ -168,7 +168,6 @@ _OWN_IN_TURN = ("stackfuse::hopper::OwnEpilogueInTurn",)
 
 #: the short-sequence kernel's exponentials overlapping its own P V (hopper_short.cuh)
 _SHORT_PIPELINED = ("stackfuse::hopper::ShortPipelined",)
-_SHORT_SPLIT_QK = (*_SHORT_PIPELINED, "stackfuse::hopper::ShortSplitQK")
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
@@ -198,8 +197,6 @@ VARIANTS: dict[str, Variant] = {
         # one wave (B4 S128 N12 3.28 vs 3.41 us), slower past it (BERT-base 10.83 vs 9.52; run 91)
         Variant("shortwo_64x128", _SHORT, 64, 128, _SHORT_PIPELINED, max_seq_kv=128),
         Variant("shortwo_64x256", _SHORT, 64, 256, _SHORT_PIPELINED, max_seq_kv=256),
-        Variant("shortwq_64x128", _SHORT, 64, 128, _SHORT_SPLIT_QK, max_seq_kv=128),  # EXPERIMENT
-        Variant("shortwq_64x256", _SHORT, 64, 256, _SHORT_SPLIT_QK, max_seq_kv=256),  # EXPERIMENT
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
@@ -280,8 +277,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortw_64x256",
         "shortwo_64x128",
         "shortwo_64x256",
-        "shortwq_64x128",
-        "shortwq_64x256",
     ),
     128: (
         "overlap_128x128",

@@ -460,12 +460,6 @@ struct ShortPipelined {};
 template <class... Options>
 inline constexpr bool kShortPipelined = (std::is_same_v<Options, ShortPipelined> || ...);
 
-// With it, Q K^T in two halves: the first half's exponentials overlap the second half's product
-struct ShortSplitQK {};
-
-template <class... Options>
-inline constexpr bool kShortSplitQK = (std::is_same_v<Options, ShortSplitQK> || ...);
-
 // Schedule tag of our short-sequence kernel (hopper_short.cuh: at most 128 or 256 keys, head
 // dim <= 64)
 struct ShortSeq {};
@@ -577,7 +571,6 @@ struct Config {
   // heads in the problem shape's mode 0 (walked before the batch), else the example's order
   static constexpr bool kHeadsMode0 = kHeadsFirst<Options...>;
   static constexpr bool kShortPipelined = hopper::kShortPipelined<Options...>;
-  static constexpr bool kShortSplitQK = hopper::kShortSplitQK<Options...>;
 };
 
 constexpr double kLog2e = 1.4426950408889634;  // the kernels take the softmax scale in base 2
@@ -720,7 +713,7 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
   dim3 const grid((p.seq_q + ss::kRows - 1) / ss::kRows, p.q_heads, p.batch);
   constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
   constexpr int kSmem = ss::smem_bytes<kKeys>();
-  constexpr auto kFn = ss::kernel<T, kCausal, kKeys, Cfg::kShortPipelined, Cfg::kShortSplitQK>;
+  constexpr auto kFn = ss::kernel<T, kCausal, kKeys, Cfg::kShortPipelined>;
   Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
   if (st != Status::kOk) return st;
   kFn<<<grid, ss::kThreads, kSmem, stream>>>(sp);

@@ -248,36 +248,6 @@ __device__ __forceinline__ void product_qk(uint4 const* sQ, uint4 const* sK, flo
   for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
 }
 
-// s = Q K^T as two wgmma groups, one per half of the keys; returns once the first half has
-// landed (and is fenced), the second still in flight: the caller waits for it (wait<0>) and
-// fences s[kN / 2 ..] before touching it
-template <class T, int kN>
-__device__ __forceinline__ void product_qk_halves(uint4 const* sQ, uint4 const* sK,
-                                                  float (&s)[kN][4]) {
-  constexpr int kH = kN / 2;  // n-tiles of 8 keys per half
-#pragma unroll
-  for (int j = 0; j < kN; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  uint64_t const dq = sw128_desc(sQ, 1);
-  uint64_t const dk = sw128_desc(sK, 1);
-  uint64_t const dk2 = dk + ((kH * 8 * 128) >> 4);  // K's row 8 kH: 128 bytes per row
-#pragma unroll
-  for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    gmma_qk<T>(dq + 2 * ks, dk + 2 * ks, &s[0][0], std::make_index_sequence<4 * kH>{});
-  }
-  cute::warpgroup_commit_batch();
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    gmma_qk<T>(dq + 2 * ks, dk2 + 2 * ks, &s[kH][0], std::make_index_sequence<4 * kH>{});
-  }
-  cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<1>();
-#pragma unroll
-  for (int j = 0; j < 4 * kH; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
-}
-
 // o += P V and l += P 1: P from the probabilities in s (two n-tiles of 8 keys are one A
 // fragment), V's kN * 8 rows MN-major in sV, ones in sOnes; the fragments stay live (fenced)
 // until the wgmma group has completed
@@ -312,23 +282,6 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
   fence();
-}
-
-// P's k-step kk (keys 16 kk .. 16 kk + 15) as the A fragment of the P V wgmma
-template <class T, int kN>
-__device__ __forceinline__ void pack_step(float const (&s)[kN][4], int kk, uint32_t (&a)[4]) {
-  a[0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
-  a[1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
-  a[2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-  a[3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-}
-
-// O's and l's registers, around the wgmma groups that accumulate into them
-__device__ __forceinline__ void fence_pv(float (&o)[8][4], float (&l)[4]) {
-#pragma unroll
-  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
 }
 
 // The softmax's exponentials and P V in two halves of the keys: the first half's wgmma group is
@@ -389,14 +342,14 @@ __device__ __forceinline__ void softmax_pv_pipelined(float (&s)[kN][4], float co
 
 // Keys past seq_kv (and, causal, past row + causal_offset) to -inf. Uniform skip: a full
 // non-causal tile needs no mask.
-template <bool kCausal, int kN, int kJ0 = 0, int kJ1 = kN>
+template <bool kCausal, int kN>
 __device__ __forceinline__ void mask_scores(float (&s)[kN][4], Params const& p, int m0) {
   if (!kCausal && p.seq_kv >= 8 * kN) return;
   int const warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int const r0 = m0 + warp * 16 + (lane >> 2);
   int const c0 = (lane & 3) * 2;
 #pragma unroll
-  for (int j = kJ0; j < kJ1; ++j) {
+  for (int j = 0; j < kN; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       int const col = j * 8 + c0 + (e & 1);
@@ -409,10 +362,10 @@ __device__ __forceinline__ void mask_scores(float (&s)[kN][4], Params const& p, 
 }
 
 // The maximum of this thread's rows (r0, r0 + 8) over the tile, across the 4 lanes of a row
-template <int kN, int kJ0 = 0, int kJ1 = kN>
+template <int kN>
 __device__ __forceinline__ void row_max(float const (&s)[kN][4], float (&mx)[2]) {
 #pragma unroll
-  for (int j = kJ0; j < kJ1; ++j) {
+  for (int j = 0; j < kN; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
   }
@@ -424,11 +377,11 @@ __device__ __forceinline__ void row_max(float const (&s)[kN][4], float (&mx)[2])
 }
 
 // s <- 2^(s * scale_log2 - base) (base: a row's maximum, already scaled)
-template <int kN, int kJ0 = 0, int kJ1 = kN>
+template <int kN>
 __device__ __forceinline__ void exponentiate(float (&s)[kN][4], float const (&base)[2],
                                              float scale_log2) {
 #pragma unroll
-  for (int j = kJ0; j < kJ1; ++j) {
+  for (int j = 0; j < kN; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[j][e] = exp2_ftz(s[j][e] * scale_log2 - base[e >> 1]);
   }
@@ -475,88 +428,10 @@ __device__ __forceinline__ void land() {
 // One work item whose Q and K have landed in sQ/sK (the first cp.async group waited on, proxy
 // fenced, CTA synchronized), every key in one tile: S = Q K^T, softmax, then wait for V (the
 // last group) and the ones, O = P V with the row sums, out.
-template <class T, bool kCausal, int kKeys, bool kPipelined, bool kSplitQK>
+template <class T, bool kCausal, int kKeys, bool kPipelined>
 __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* sV,
                                        uint4 const* sOnes, Params const& p, Item<T> const& it) {
   constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
-  if constexpr (kSplitQK && (kKeys == 128 || kKeys == 256)) {
-    // Q K^T in halves. The first half's softmax runs against its own maximum while the second
-    // half's product is on the tensor cores, and its P V while the second half is
-    // exponentiated. The second half keeps the first half's reference unless its maximum is
-    // more than 2^8 above it (then O and l are rescaled, FlashAttention-4's lazy rescale), so
-    // its probabilities stay below 256.
-    constexpr int kH = kN / 2, kSteps = kN / 2, kHalf = kSteps / 2;
-    float s[kN][4];
-    product_qk_halves<T>(sQ, sK, s);
-    mask_scores<kCausal, kN, 0, kH>(s, p, it.m0);
-    float ma[2] = {-INFINITY, -INFINITY};
-    row_max<kN, 0, kH>(s, ma);
-    float base[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) base[i] = ma[i] == -INFINITY ? 0.f : ma[i] * p.scale_log2;
-    exponentiate<kN, 0, kH>(s, base, p.scale_log2);
-    uint32_t pa[kSteps][4];
-#pragma unroll
-    for (int kk = 0; kk < kHalf; ++kk) pack_step<T>(s, kk, pa[kk]);
-    land<0>();
-    float o[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float l[4] = {0.f, 0.f, 0.f, 0.f};
-    uint64_t const dv = sw128_desc(sV, 0);
-    uint64_t const d1 = ones_desc(sOnes);
-    fence_pv(o, l);
-#pragma unroll
-    for (int j = 0; j < 4 * kHalf; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < kHalf; ++kk) {
-      gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
-      gmma_sum<T>(pa[kk], d1, l);
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<1>();  // Q K^T's second half (groups complete in order)
-#pragma unroll
-    for (int j = 4 * kH; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
-    mask_scores<kCausal, kN, kH, kN>(s, p, it.m0);
-    float m[2] = {ma[0], ma[1]};
-    row_max<kN, kH, kN>(s, m);
-    float c[2];  // O's and l's factor: 1 unless the reference moves
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float const top = m[i] == -INFINITY ? 0.f : m[i] * p.scale_log2;
-      bool const moves = ma[i] == -INFINITY || top > base[i] + 8.f;
-      c[i] = !moves ? 1.f : ma[i] == -INFINITY ? 0.f : exp2_ftz(base[i] - top);
-      if (moves) base[i] = top;
-    }
-    exponentiate<kN, kH, kN>(s, base, p.scale_log2);
-#pragma unroll
-    for (int kk = kHalf; kk < kSteps; ++kk) pack_step<T>(s, kk, pa[kk]);
-    cute::warpgroup_wait<0>();  // the first half's P V
-    fence_pv(o, l);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[j][e] *= c[e >> 1];
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) l[e] *= c[e >> 1];
-    fence_pv(o, l);
-#pragma unroll
-    for (int j = 4 * kHalf; j < 4 * kSteps; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = kHalf; kk < kSteps; ++kk) {
-      gmma_pv<T>(pa[kk], dv + kk * (2048 >> 4), &o[0][0], std::make_index_sequence<32>{});
-      gmma_sum<T>(pa[kk], d1, l);
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_pv(o, l);
-    float const inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[2] > 0.f ? 1.f / l[2] : 0.f};
-    store_out<T>(o, inv, sQ, p, it);
-    return;
-  }
   float s[kN][4];
   product_qk<T>(sQ, sK, s);
   mask_scores<kCausal>(s, p, it.m0);
@@ -589,7 +464,7 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
 // allows (without the bound at 256 keys nvcc takes 228 and only two fit). kPipelined: the
 // exponentials overlap P V (softmax_pv_pipelined; option ShortPipelined, variants shortwo),
 // at 128 keys with four CTAs per SM (110 registers), the fifth's registers being what it needs.
-template <class T, bool kCausal, int kKeys, bool kPipelined = false, bool kSplitQK = false>
+template <class T, bool kCausal, int kKeys, bool kPipelined = false>
 __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
     kernel(Params const p) {
   extern __shared__ __align__(1024) uint4 smem[];
@@ -611,15 +486,15 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) 
   fill_ones<T>(sOnes, tid);
   land<1>();
   if constexpr (!kCausal || kKeys == 128) {
-    attend<T, kCausal, kKeys, kPipelined, kSplitQK>(sQ, sK, sV, sOnes, p, it);
+    attend<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 64) {
-    attend<T, true, 64, kPipelined, kSplitQK>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 64, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 128) {
-    attend<T, true, 128, kPipelined, kSplitQK>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 128, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else if (keys == 192) {
-    attend<T, true, 192, kPipelined, kSplitQK>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 192, kPipelined>(sQ, sK, sV, sOnes, p, it);
   } else {
-    attend<T, true, 256, kPipelined, kSplitQK>(sQ, sK, sV, sOnes, p, it);
+    attend<T, true, 256, kPipelined>(sQ, sK, sV, sOnes, p, it);
   }
 }
 
