@@ -107,7 +107,7 @@ class Variant:
             turn = "in turn" if self.has(_OWN_IN_TURN) else "out of turn"
             words += f", our epilogue: one TMA store per warpgroup, {turn}"
         if self.has(_SHORT_PIPELINED):
-            words += ", its exponentials overlapping its own P V in chunks of 64 keys"
+            words += ", its exponentials overlapping its own P V (two halves of the keys)"
         if self.has(_EPILOGUE_IN_Q):
             words += ", O staged in the warpgroup's Q stage"
         if self.max_ctas is not None:

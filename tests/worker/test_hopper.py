@@ -586,7 +586,7 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
 def test_pipelined_short_kernel_keeps_its_wgmma_asynchronous(tmp_path: Path) -> None:
     """`shortwo_64x256`'s gain (its exponentials run while its own P V is on the tensor cores)
     exists only while ptxas leaves the wgmma asynchronous. Within the 168 registers of three
-    CTAs per SM, chunks of 64 keys made ptxas serialize them (C7512); chunks of 128 do not."""
+    CTAs per SM, quarters of the keys made ptxas serialize them (C7512); halves do not."""
     chain = find_toolchain()
     ks = hopper.render_config(stacked(batch=32, seq=256, nq=16, nkv=4, h=64), "shortwo_64x256")
     src, obj = tmp_path / "cfg.cu", tmp_path / "cfg.o"

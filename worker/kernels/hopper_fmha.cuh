@@ -453,8 +453,8 @@ struct GroupedMainloop : Base {
   }
 };
 
-// Option tag of the short-sequence kernel: its exponentials overlap its own P V (in chunks of
-// 64 keys; hopper_short.cuh, softmax_pv_pipelined)
+// Option tag of the short-sequence kernel: its exponentials overlap its own P V (in two halves
+// of the keys; hopper_short.cuh, softmax_pv_pipelined)
 struct ShortPipelined {};
 
 template <class... Options>

@@ -248,6 +248,24 @@ __device__ __forceinline__ void product_qk(uint4 const* sQ, uint4 const* sK, flo
   for (int j = 0; j < 4 * kN; ++j) cute::warpgroup_fence_operand(s[j / 4][j % 4]);
 }
 
+// P's k-step kk (keys 16 kk .. 16 kk + 15) as the A fragment of the P V wgmma: two n-tiles
+// of 8 keys are one fragment
+template <class T, int kN>
+__device__ __forceinline__ void pack_step(float const (&s)[kN][4], int kk, uint32_t (&a)[4]) {
+  a[0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// O's and l's registers, around the wgmma groups that accumulate into them
+__device__ __forceinline__ void fence_ol(float (&o)[8][4], float (&l)[4]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+}
+
 // o += P V and l += P 1: P from the probabilities in s (two n-tiles of 8 keys are one A
 // fragment), V's kN * 8 rows MN-major in sV, ones in sOnes; the fragments stay live (fenced)
 // until the wgmma group has completed
@@ -256,19 +274,11 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
                                            uint4 const* sOnes, float (&o)[8][4], float (&l)[4]) {
   uint32_t pa[kN / 2][4];
 #pragma unroll
-  for (int kk = 0; kk < kN / 2; ++kk) {
-    pa[kk][0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
-    pa[kk][1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
-    pa[kk][2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    pa[kk][3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-  }
+  for (int kk = 0; kk < kN / 2; ++kk) pack_step<T>(s, kk, pa[kk]);
   uint64_t const dv = sw128_desc(sV, 0);
   uint64_t const d1 = ones_desc(sOnes);
   auto const fence = [&] {  // every register the wgmma group reads or writes, around it
-#pragma unroll
-    for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+    fence_ol(o, l);
 #pragma unroll
     for (int j = 0; j < 2 * kN; ++j) cute::warpgroup_fence_operand(pa[j / 4][j % 4]);
   };
@@ -303,10 +313,7 @@ __device__ __forceinline__ void softmax_pv_pipelined(float (&s)[kN][4], float co
   uint32_t pa[kSteps][4];
   uint64_t const dv = sw128_desc(sV, 0);
   uint64_t const d1 = ones_desc(sOnes);
-#pragma unroll
-  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+  fence_ol(o, l);
 #pragma unroll
   for (int c = 0; c < kSteps / kChunk; ++c) {
 #pragma unroll
@@ -318,10 +325,7 @@ __device__ __forceinline__ void softmax_pv_pipelined(float (&s)[kN][4], float co
           s[2 * kk + h][e] = exp2_ftz(s[2 * kk + h][e] * scale_log2 - base[e >> 1]);
         }
       }
-      pa[kk][0] = pack<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      pack_step<T>(s, kk, pa[kk]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(pa[kk][j]);
     }
@@ -334,10 +338,7 @@ __device__ __forceinline__ void softmax_pv_pipelined(float (&s)[kN][4], float co
     cute::warpgroup_commit_batch();
   }
   cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int j = 0; j < 32; ++j) cute::warpgroup_fence_operand(o[j / 4][j % 4]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) cute::warpgroup_fence_operand(l[j]);
+  fence_ol(o, l);
 }
 
 // Keys past seq_kv (and, causal, past row + causal_offset) to -inf. Uniform skip: a full
@@ -462,8 +463,8 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
 // copies of the math cost more than the first block's 64 keys save (10.2 -> 10.4 us).
 // Registers: ~96 at 128 keys, <= 168 at 256: as many CTAs per SM (5, 3) as the shared memory
 // allows (without the bound at 256 keys nvcc takes 228 and only two fit). kPipelined: the
-// exponentials overlap P V (softmax_pv_pipelined; option ShortPipelined, variants shortwo),
-// at 128 keys with four CTAs per SM (110 registers), the fifth's registers being what it needs.
+// exponentials overlap P V (softmax_pv_pipelined; option ShortPipelined, variants shortwo);
+// at 128 keys with four CTAs per SM (110 registers: five leave 96, too few for it).
 template <class T, bool kCausal, int kKeys, bool kPipelined = false>
 __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
     kernel(Params const p) {
