@@ -308,8 +308,8 @@ __device__ __forceinline__ void softmax_pv_pipelined(float (&s)[kN][4], float co
                                                      uint4 const* sOnes, float (&o)[8][4],
                                                      float (&l)[4]) {
   constexpr int kSteps = kN / 2;  // k-steps of 16 keys
-  constexpr int kChunk = kSteps < 4 ? kSteps : kSteps / 2;  // one group below 64 keys
-  static_assert(kSteps % kChunk == 0, "whole chunks");
+  constexpr int kChunk = kSteps / 2;  // k-steps per group: two groups
+  static_assert(kSteps % 2 == 0, "whole halves");
   uint32_t pa[kSteps][4];
   uint64_t const dv = sw128_desc(sV, 0);
   uint64_t const d1 = ones_desc(sOnes);
