@@ -418,6 +418,21 @@ def is_cached(ks: KernelSource, settings: Settings, chain: Toolchain) -> bool:
     return _cached_path(ks, settings, chain)[1].exists()
 
 
+def nvcc_argv(ks: KernelSource, chain: Toolchain, src: Path, out: Path, *extra: str) -> list[str]:
+    """The command that compiles ``ks`` (in ``src``) to ``out``: what the kernel cache runs, and
+    what tests that read nvcc's own output (``extra``: e.g. ``-Xptxas=-v``) must run too."""
+    return [
+        str(chain.nvcc),
+        *COMMON_FLAGS,
+        *ks.flags,
+        *include_flags(chain),
+        *extra,
+        "-o",
+        str(out),
+        str(src),
+    ]
+
+
 def _compile_one(ks: KernelSource, settings: Settings, chain: Toolchain) -> tuple[Path, str, bool]:
     """(object path, cache key, cache hit) for ``ks`` alone."""
     key, obj = _cached_path(ks, settings, chain)
@@ -434,15 +449,7 @@ def _compile_one(ks: KernelSource, settings: Settings, chain: Toolchain) -> tupl
         tmp_src.write_text(ks.source)
         os.replace(tmp_src, src)
         tmp_obj = shard / f"{key}.{os.getpid()}.o.tmp"
-        argv = [
-            str(chain.nvcc),
-            *COMMON_FLAGS,
-            *ks.flags,
-            *include_flags(chain),
-            "-o",
-            str(tmp_obj),
-            str(src),
-        ]
+        argv = nvcc_argv(ks, chain, src, tmp_obj)
         try:
             result = run_nvcc(
                 argv, src, tmp_obj, settings=settings, chain=chain, what=f"the {ks.family} kernel"

@@ -16,7 +16,7 @@ import pytest
 
 from worker import hopper
 from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
-from worker.codegen import COMMON_FLAGS, compile_object, include_flags
+from worker.codegen import COMMON_FLAGS, compile_object, include_flags, nvcc_argv
 from worker.toolchain import find_toolchain
 
 
@@ -591,9 +591,12 @@ def test_pipelined_short_kernel_keeps_its_wgmma_asynchronous(tmp_path: Path) -> 
     ks = hopper.render_config(stacked(batch=32, seq=256, nq=16, nkv=4, h=64), "shortwo_64x256")
     src, obj = tmp_path / "cfg.cu", tmp_path / "cfg.o"
     src.write_text(ks.source)
-    nvcc = [str(chain.nvcc), *COMMON_FLAGS, *ks.flags, *include_flags(chain), "-Xptxas=-v"]
     done = subprocess.run(
-        [*nvcc, "-o", str(obj), str(src)], check=True, capture_output=True, text=True, timeout=600
+        nvcc_argv(ks, chain, src, obj, "-Xptxas=-v"),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     log = done.stdout + done.stderr
     assert "short_seq6kernel" in log  # ptxas reported on our kernel
