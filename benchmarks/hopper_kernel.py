@@ -221,6 +221,26 @@ def catalog() -> list[Slot]:
     add(f16, "overlapoq_128x64", "BottomRight@256", [], [(8, 8, 256), (8, 2, 256)])
     add(b16, "overlapoq_128x64", "none@256", _HEADS_256)
     add(b16, "overlapoq_128x64", "TopLeft@256", [(8, 8, 256)])
+    # session 16: FlashAttention-3's 128 x 176 key tiles at head dim 128 (and 128 x 192), four
+    # K/V stages next to Q with O staged in the Q stage; overlapoq_128x128 is the same kernel at
+    # 128 keys (five stages), to tell the tile from the epilogue
+    for v in ("overlapoq_128x176", "overlapoq_128x192", "overlapoq_128x128"):
+        add(f16, v, "none", [h128, (32, 32, 128), (32, 8, 128)], [(16, 4, 128)], [h128])
+        add(b16, v, "none", [h128])
+    # session 16: the short kernel without some of its loads (wrong results, timings only)
+    for n in (1, 2, 3):
+        add(
+            f16,
+            "shortwo_64x256",
+            "none@64",
+            _HEADS_64,
+            flags=(f"-DSTACKFUSE_SHORT_PROBE_LOADS={n}",),
+        )
+    # session 16: K and V by TMA (shortwt), multicast in clusters of query blocks (shortwm)
+    for w in ("shortwt_64x256", "shortwm_64x256", "shortwm_64x128"):
+        add(f16, w, "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
+        add(f16, w, "TopLeft@64", [(12, 12, 64), gqa], [gqa])
+        add(b16, w, "none@64", [(12, 12, 64), gqa])
     # (run 89 also built pingpongq with O staged in the Q stage, five K/V stages again:
     # pingpongqo_128x128, 1.012x pingpongq at B16 S256 N16 H128, 0.967-0.978x at the causal and
     # head-dim-32 short shapes; not kept, commit 54beefc)
@@ -554,6 +574,9 @@ H128_SHAPES = [
     ("b1_s1024_q32_kv8_h128_gqa_causal", 1, 1024, 32, 8, 128, True, "float16"),  # Llama-3-8B
 ]
 
+#: the long non-causal head-dim-128 shapes of the main set (``run --shapes long128``)
+LONG128_SHAPES = [sh for sh in BENCH_SHAPES if sh[5] == 128 and not sh[6]]
+
 #: every head-dim-256 shape of the main and sweep sets (``run --shapes h256``), plus B8 S512
 H256_SHAPES = [
     *(sh for sh in (*BENCH_SHAPES, *SWEEP_SHAPES) if sh[5] == 256),
@@ -576,6 +599,7 @@ def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
         "short": SHORT_SHAPES,
         "h128": H128_SHAPES,
         "h256": H256_SHAPES,
+        "long128": LONG128_SHAPES,
     }
     return table.get(chosen or "", BENCH_SHAPES)
 
@@ -1427,7 +1451,7 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=["main", "sweep", "short", "h128", "h256"],
+        choices=["main", "sweep", "short", "h128", "h256", "long128"],
         default="main",
         help="BENCH_, SWEEP_, SHORT_, H128_ or H256_SHAPES",
     )

@@ -197,6 +197,27 @@ VARIANTS: dict[str, Variant] = {
         # one wave (B4 S128 N12 3.28 vs 3.41 us), slower past it (BERT-base 10.83 vs 9.52; run 91)
         Variant("shortwo_64x128", _SHORT, 64, 128, _SHORT_PIPELINED, max_seq_kv=128),
         Variant("shortwo_64x256", _SHORT, 64, 256, _SHORT_PIPELINED, max_seq_kv=256),
+        # experiment (session 16): K and V by TMA, multicast to the query blocks of a head in
+        # clusters of up to four CTAs ("m"), or by TMA alone ("t")
+        Variant(
+            "shortwt_64x256",
+            _SHORT,
+            64,
+            256,
+            (*_SHORT_PIPELINED, "stackfuse::hopper::ShortTma<1>"),
+            max_seq_kv=256,
+        ),
+        Variant(
+            "shortwm_64x256",
+            _SHORT,
+            64,
+            256,
+            (*_SHORT_PIPELINED, "stackfuse::hopper::ShortTma<4>"),
+            max_seq_kv=256,
+        ),
+        Variant(
+            "shortwm_64x128", _SHORT, 64, 128, ("stackfuse::hopper::ShortTma<4>",), max_seq_kv=128
+        ),
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
@@ -241,6 +262,23 @@ VARIANTS: dict[str, Variant] = {
         # staged in the warpgroup's finished Q stage so that five K/V stages fit next to 64 KB
         # of Q, our epilogue in turn (the overlapped loop's stagger): run 86, faster than
         # overlapc wherever a launch has more than one wave of tiles
+        # experiment (session 16): FlashAttention-3's 128 x 176 tile at head dim 128, four K/V
+        # stages next to Q thanks to O staged in the Q stage
+        Variant(
+            "overlapoq_128x176",
+            _PING,
+            128,
+            176,
+            (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN, _OPTION.format("kStagesKV", 4)),
+        ),
+        Variant(
+            "overlapoq_128x192",
+            _PING,
+            128,
+            192,
+            (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN, _OPTION.format("kStagesKV", 4)),
+        ),
+        Variant("overlapoq_128x128", _PING, 128, 128, (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN)),
         Variant(
             "overlapoq_128x64",
             _PING,
@@ -277,6 +315,9 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortw_64x256",
         "shortwo_64x128",
         "shortwo_64x256",
+        "shortwt_64x256",
+        "shortwm_64x256",
+        "shortwm_64x128",
     ),
     128: (
         "overlap_128x128",
@@ -285,6 +326,9 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpongB_128x128",
         "tma1_64x128",
         "pingpongq_128x128",
+        "overlapoq_128x176",
+        "overlapoq_128x192",
+        "overlapoq_128x128",
     ),
     256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64"),
 }

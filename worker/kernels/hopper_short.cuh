@@ -15,11 +15,19 @@
 #include <type_traits>
 #include <utility>
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cute/arch/mma_sm90_gmma.hpp>  // wgmma.mma_async wrappers and fences (no CuTe layouts)
+
+// A probe (session 16), only in objects built with -DSTACKFUSE_SHORT_PROBE_LOADS=N: 1 skips
+// the V load, 2 K and V, 3 every load (the results are wrong): how much of the kernel's time
+// its loads from L2 cost.
+#ifndef STACKFUSE_SHORT_PROBE_LOADS
+#define STACKFUSE_SHORT_PROBE_LOADS 0
+#endif
 
 namespace stackfuse {
 namespace hopper {
@@ -429,9 +437,10 @@ __device__ __forceinline__ void land() {
 // One work item whose Q and K have landed in sQ/sK (the first cp.async group waited on, proxy
 // fenced, CTA synchronized), every key in one tile: S = Q K^T, softmax, then wait for V (the
 // last group) and the ones, O = P V with the row sums, out.
-template <class T, bool kCausal, int kKeys, bool kPipelined>
+template <class T, bool kCausal, int kKeys, bool kPipelined, class WaitV>
 __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* sV,
-                                       uint4 const* sOnes, Params const& p, Item<T> const& it) {
+                                       uint4 const* sOnes, Params const& p, Item<T> const& it,
+                                       WaitV const& wait_v) {
   constexpr int kN = kKeys / 8;  // n-tiles of 8 keys
   float s[kN][4];
   product_qk<T>(sQ, sK, s);
@@ -441,7 +450,7 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
 #pragma unroll
   for (int i = 0; i < 2; ++i) mx[i] = mx[i] == -INFINITY ? 0.f : mx[i] * p.scale_log2;
   if constexpr (!kPipelined) exponentiate(s, mx, p.scale_log2);
-  land<0>();
+  wait_v();
   float o[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
@@ -454,6 +463,24 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
   // 1 / row sum; 0 for a row with no key (P all zero), which comes out as zeros
   float const inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[2] > 0.f ? 1.f / l[2] : 0.f};
   store_out<T>(o, inv, sQ, p, it);
+}
+
+// attend() at the key count a causal block sees (`keys`, a multiple of 64; 256-key kernel only)
+template <class T, bool kCausal, int kKeys, bool kPipelined, class WaitV>
+__device__ __forceinline__ void attend_seen(uint4* sQ, uint4 const* sK, uint4 const* sV,
+                                            uint4 const* sOnes, Params const& p,
+                                            Item<T> const& it, int keys, WaitV const& wait_v) {
+  if constexpr (!kCausal || kKeys == 128) {
+    attend<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else if (keys == 64) {
+    attend<T, true, 64, kPipelined>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else if (keys == 128) {
+    attend<T, true, 128, kPipelined>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else if (keys == 192) {
+    attend<T, true, 192, kPipelined>(sQ, sK, sV, sOnes, p, it, wait_v);
+  } else {
+    attend<T, true, 256, kPipelined>(sQ, sK, sV, sOnes, p, it, wait_v);
+  }
 }
 
 // grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
@@ -480,23 +507,141 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) 
     int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
     keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
   }
+#if STACKFUSE_SHORT_PROBE_LOADS == 0
   load_qk<T, kKeys>(sQ, sK, it.q, it.k, p, min(kRows, p.seq_q - it.m0), tid, keys);
+#else  // a probe, wrong results: which loads the kernel's time depends on
+  if (STACKFUSE_SHORT_PROBE_LOADS < 3)
+    load_tile<kRows>(sQ, it.q, p.q_row, min(kRows, p.seq_q - it.m0), p.head_dim / 8, tid);
+  if (STACKFUSE_SHORT_PROBE_LOADS < 2)
+    load_tile<kKeys>(sK, it.k, p.k_row, p.seq_kv, p.head_dim / 8, tid, keys);
+#endif
   commit_group();
-  load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid, keys);
+  if (STACKFUSE_SHORT_PROBE_LOADS == 0)
+    load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid, keys);
   commit_group();
   fill_ones<T>(sOnes, tid);
   land<1>();
-  if constexpr (!kCausal || kKeys == 128) {
-    attend<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it);
-  } else if (keys == 64) {
-    attend<T, true, 64, kPipelined>(sQ, sK, sV, sOnes, p, it);
-  } else if (keys == 128) {
-    attend<T, true, 128, kPipelined>(sQ, sK, sV, sOnes, p, it);
-  } else if (keys == 192) {
-    attend<T, true, 192, kPipelined>(sQ, sK, sV, sOnes, p, it);
+  attend_seen<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it, keys, [] { land<0>(); });
+}
+
+// K/V tensor maps of a TMA launch (kernel_tma): dims (head dim, keys, key/value heads, batch),
+// a box of 64 x (kKeys / cluster size) rows in the 128-byte swizzle, zero fill past the ends
+struct TmaMaps {
+  CUtensorMap k;
+  CUtensorMap v;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_ctas() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// Rows [rank * rows, (rank + 1) * rows) of one head's keys (or values) into the same rows of
+// `dst` in every CTA of the cluster (multicast when it has more than one), completing `bar`
+// there
+__device__ __forceinline__ void tma_rows(CUtensorMap const* map, uint4* dst, uint64_t* bar,
+                                         int row, int head, int batch, uint32_t ctas) {
+  uint64_t const m = reinterpret_cast<uint64_t>(map);
+  if (ctas > 1) {
+    uint16_t const mask = static_cast<uint16_t>((1u << ctas) - 1);
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(smem_u32(dst)),
+        "l"(m), "r"(smem_u32(bar)), "r"(0), "r"(row), "r"(head), "r"(batch), "h"(mask)
+        : "memory");
   } else {
-    attend<T, true, 256, kPipelined>(sQ, sK, sV, sOnes, p, it);
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
+        "l"(m), "r"(smem_u32(bar)), "r"(0), "r"(row), "r"(head), "r"(batch)
+        : "memory");
   }
+}
+
+template <int kKeys>
+constexpr int smem_bytes_tma() {
+  return smem_bytes<kKeys>() + 16;  // two mbarriers after the ones
+}
+
+// The kernel with K and V loaded by TMA (experiment, session 16): one thread of each CTA loads
+// its share of the rows and multicasts it to every CTA of its cluster (the query blocks of one
+// head, up to four), so L2 serves each K/V tile once per cluster instead of once per CTA. Q
+// stays on cp.async (its rows are the CTA's own). Launched with a cluster dimension along x.
+template <class T, bool kCausal, int kKeys, bool kPipelined>
+__global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
+    kernel_tma(Params const p, const __grid_constant__ TmaMaps maps) {
+  extern __shared__ __align__(1024) uint4 smem[];
+  uint4* sQ = smem;
+  uint4* sK = sQ + kRows * kChunks;
+  uint4* sV = sK + kKeys * kChunks;
+  uint4* sOnes = sV + kKeys * kChunks;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sOnes + kOnesBytes / 16);
+  Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
+  int const tid = threadIdx.x;
+  uint32_t const ctas = cluster_ctas();
+  if (tid == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[0])));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[1])));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  load_tile<kRows>(sQ, it.q, p.q_row, min(kRows, p.seq_q - it.m0), p.head_dim / 8, tid);
+  commit_group();
+  fill_ones<T>(sOnes, tid);
+  // every CTA's barriers initialized before any CTA's multicast reaches them
+  if (ctas > 1) {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                     : "memory");
+  } else {
+    __syncthreads();
+  }
+  if (tid == 0) {
+    uint32_t const rank = cluster_rank();
+    int const rows = kKeys / int(ctas);
+    constexpr uint32_t kBytes = kKeys * kHeadDim * 2;
+    for (int i = 0; i < 2; ++i) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                       smem_u32(&bars[i])),
+                   "r"(kBytes)
+                   : "memory");
+    }
+    int const kv = it.h / p.groups;
+    int const r0 = int(rank) * rows;
+    tma_rows(&maps.k, sK + r0 * kChunks, &bars[0], r0, kv, it.b, ctas);
+    tma_rows(&maps.v, sV + r0 * kChunks, &bars[1], r0, kv, it.b, ctas);
+  }
+  int keys = kKeys;
+  if constexpr (kCausal && kKeys == 256) {
+    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
+    keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
+  }
+  land<0>();  // Q and the ones
+  mbar_wait(&bars[0], 0);
+  attend_seen<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it, keys, [&] {
+    mbar_wait(&bars[1], 0);
+    // every write into this CTA has landed: tell the cluster it may exit
+    if (ctas > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  });
+  if (ctas > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 }  // namespace short_seq
