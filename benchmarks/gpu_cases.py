@@ -266,6 +266,31 @@ CASES: list[Case] = [
         64,
         {"n_kv": 4, "dtype": "bfloat16", "causal": "BottomRight"},
     ),
+    # session 16: the 256-key short kernel with its tiles loaded by TMA (shortwot_64x256): MQA
+    # causal at a ragged 160 keys (a tiny launch), and separate Q, K and V tensors with fewer
+    # queries than keys (Q's tensor map over its own tensor, rows past 100 zero-filled)
+    Case(
+        "split_fp16_mqa_q8_kv1_s160_h64_causal",
+        "stacked",
+        3,
+        160,
+        8,
+        64,
+        64,
+        {"n_kv": 1, "causal": "TopLeft"},
+    ),
+    Case(
+        "plain_fp16_s100_kv230_h64",
+        "plain",
+        4,
+        100,
+        12,
+        64,
+        64,
+        {"causal": "BottomRight"},
+        s_kv=230,
+        expect="plain",
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -302,6 +327,8 @@ HOPPER_CASES = (
     "split_fp16_s256_h256_small_causal",
     "split_bf16_s200_h256_small_causal",
     "split_bf16_gqa_q16_kv4_s250_h64_bottomright",
+    "split_fp16_mqa_q8_kv1_s160_h64_causal",
+    "plain_fp16_s100_kv230_h64",
 )
 
 

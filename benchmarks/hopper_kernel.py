@@ -221,26 +221,13 @@ def catalog() -> list[Slot]:
     add(f16, "overlapoq_128x64", "BottomRight@256", [], [(8, 8, 256), (8, 2, 256)])
     add(b16, "overlapoq_128x64", "none@256", _HEADS_256)
     add(b16, "overlapoq_128x64", "TopLeft@256", [(8, 8, 256)])
-    # session 16: FlashAttention-3's 128 x 176 key tiles at head dim 128 (and 128 x 192), four
-    # K/V stages next to Q with O staged in the Q stage; overlapoq_128x128 is the same kernel at
-    # 128 keys (five stages), to tell the tile from the epilogue
-    for v in ("overlapoq_128x176", "overlapoq_128x192", "overlapoq_128x128"):
-        add(f16, v, "none", [h128, (32, 32, 128), (32, 8, 128)], [(16, 4, 128)], [h128])
-        add(b16, v, "none", [h128])
-    # session 16: the short kernel without some of its loads (wrong results, timings only)
-    for n in (1, 2, 3):
-        add(
-            f16,
-            "shortwo_64x256",
-            "none@64",
-            _HEADS_64,
-            flags=(f"-DSTACKFUSE_SHORT_PROBE_LOADS={n}",),
-        )
-    # session 16: K and V by TMA (shortwt), multicast in clusters of query blocks (shortwm)
-    for w in ("shortwt_64x256", "shortwm_64x256", "shortwm_64x128"):
-        add(f16, w, "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
-        add(f16, w, "TopLeft@64", [(12, 12, 64), gqa], [gqa])
-        add(b16, w, "none@64", [(12, 12, 64), gqa])
+    # session 16: the short kernel's tiles loaded by TMA (run 99 also built shortwt_64x256, K and
+    # V only, and both at 128 keys: slower there, not kept)
+    add(f16, "shortwot_64x256", "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
+    add(f16, "shortwot_64x256", "TopLeft@64", [(12, 12, 64), gqa], [gqa])
+    add(f16, "shortwot_64x256", "BottomRight@64", [], [gqa])
+    add(b16, "shortwot_64x256", "none@64", [(12, 12, 64), gqa], [gqa])
+    add(b16, "shortwot_64x256", "TopLeft@64", [gqa])
     # (run 89 also built pingpongq with O staged in the Q stage, five K/V stages again:
     # pingpongqo_128x128, 1.012x pingpongq at B16 S256 N16 H128, 0.967-0.978x at the causal and
     # head-dim-32 short shapes; not kept, commit 54beefc)
@@ -590,9 +577,9 @@ ALL_SHAPES = {
 
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
-    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_SHAPES when
-    HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 (set by ``run --shapes``; the worker
-    processes inherit it)."""
+    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_SHAPES
+    when HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 / long128 (set by ``run --shapes``;
+    the worker processes inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
     table = {
         "sweep": SWEEP_SHAPES,
@@ -1453,7 +1440,7 @@ def main() -> int:
         "--shapes",
         choices=["main", "sweep", "short", "h128", "h256", "long128"],
         default="main",
-        help="BENCH_, SWEEP_, SHORT_, H128_ or H256_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_, H128_, H256_ or LONG128_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)

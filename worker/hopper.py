@@ -108,6 +108,8 @@ class Variant:
             words += f", our epilogue: one TMA store per warpgroup, {turn}"
         if self.has(_SHORT_PIPELINED):
             words += ", its exponentials overlapping its own P V (two halves of the keys)"
+        if self.has(_SHORT_TMA):
+            words += ", its tiles loaded by TMA"
         if self.has(_EPILOGUE_IN_Q):
             words += ", O staged in the warpgroup's Q stage"
         if self.max_ctas is not None:
@@ -168,6 +170,8 @@ _OWN_IN_TURN = ("stackfuse::hopper::OwnEpilogueInTurn",)
 
 #: the short-sequence kernel's exponentials overlapping its own P V (hopper_short.cuh)
 _SHORT_PIPELINED = ("stackfuse::hopper::ShortPipelined",)
+#: the short-sequence kernel's tiles loaded by TMA (kernel_tma)
+_SHORT_TMA = ("stackfuse::hopper::ShortTma",)
 
 
 #: the H200's SMs: one wave of CTAs that take a whole SM each (the selection was measured there)
@@ -197,26 +201,11 @@ VARIANTS: dict[str, Variant] = {
         # one wave (B4 S128 N12 3.28 vs 3.41 us), slower past it (BERT-base 10.83 vs 9.52; run 91)
         Variant("shortwo_64x128", _SHORT, 64, 128, _SHORT_PIPELINED, max_seq_kv=128),
         Variant("shortwo_64x256", _SHORT, 64, 256, _SHORT_PIPELINED, max_seq_kv=256),
-        # experiment (session 16): K and V by TMA, multicast to the query blocks of a head in
-        # clusters of up to four CTAs ("m"), or by TMA alone ("t")
+        # the same, its tiles loaded by TMA (session 16): as fast or faster at every 129-256-key
+        # shape measured (GQA 16/4 B32 S256 26.8 vs 28.3 us; run 99, where it was named
+        # shortwtq_64x256), slower at 128 keys, so there is no 128-key one
         Variant(
-            "shortwt_64x256",
-            _SHORT,
-            64,
-            256,
-            (*_SHORT_PIPELINED, "stackfuse::hopper::ShortTma<1>"),
-            max_seq_kv=256,
-        ),
-        Variant(
-            "shortwm_64x256",
-            _SHORT,
-            64,
-            256,
-            (*_SHORT_PIPELINED, "stackfuse::hopper::ShortTma<4>"),
-            max_seq_kv=256,
-        ),
-        Variant(
-            "shortwm_64x128", _SHORT, 64, 128, ("stackfuse::hopper::ShortTma<4>",), max_seq_kv=128
+            "shortwot_64x256", _SHORT, 64, 256, (*_SHORT_PIPELINED, *_SHORT_TMA), max_seq_kv=256
         ),
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
@@ -262,23 +251,6 @@ VARIANTS: dict[str, Variant] = {
         # staged in the warpgroup's finished Q stage so that five K/V stages fit next to 64 KB
         # of Q, our epilogue in turn (the overlapped loop's stagger): run 86, faster than
         # overlapc wherever a launch has more than one wave of tiles
-        # experiment (session 16): FlashAttention-3's 128 x 176 tile at head dim 128, four K/V
-        # stages next to Q thanks to O staged in the Q stage
-        Variant(
-            "overlapoq_128x176",
-            _PING,
-            128,
-            176,
-            (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN, _OPTION.format("kStagesKV", 4)),
-        ),
-        Variant(
-            "overlapoq_128x192",
-            _PING,
-            128,
-            192,
-            (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN, _OPTION.format("kStagesKV", 4)),
-        ),
-        Variant("overlapoq_128x128", _PING, 128, 128, (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN)),
         Variant(
             "overlapoq_128x64",
             _PING,
@@ -315,9 +287,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortw_64x256",
         "shortwo_64x128",
         "shortwo_64x256",
-        "shortwt_64x256",
-        "shortwm_64x256",
-        "shortwm_64x128",
+        "shortwot_64x256",
     ),
     128: (
         "overlap_128x128",
@@ -326,9 +296,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpongB_128x128",
         "tma1_64x128",
         "pingpongq_128x128",
-        "overlapoq_128x176",
-        "overlapoq_128x192",
-        "overlapoq_128x128",
     ),
     256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64"),
 }
@@ -385,22 +352,27 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # said ping-pong: 957 vs 984 us and 954 vs 983 us).
     # Session 15 (run 90, 9 rounds, paired): shortwo_64x256 (its exponentials overlapping its
     # own P V) vs shortw_64x256: GQA 16/4 28.44 vs 28.93 us (cuDNN 28.71), B16 S256 N12 13.76
-    # vs 14.05 (13.49), 9 of 9 rounds each
-    (64, False, "small"): ("shortw_64x128", "shortwo_64x256", "pingpong_128x128"),
+    # vs 14.05 (13.49), 9 of 9 rounds each. Session 16 (run 99, paired): its tiles loaded by TMA
+    # (shortwot_64x256) vs shortwo_64x256: GQA 16/4 26.81 vs 28.34 us, 9 of 9 rounds (cuDNN
+    # 28.7), B16 S256 N12 13.59 vs 13.71, 9 of 9
+    (64, False, "small"): ("shortw_64x128", "shortwot_64x256", "pingpong_128x128"),
     # B32 S128 N12 causal: shortw_64x128 10.2 us vs pingpong_128x128 12.3 (cuDNN 11.3; run 18);
     # B16 S256 N12 causal: shortw_64x256, computing only the keys a block sees, 14.4 vs 15.2
-    # (cuDNN 13.9; run 21); shortwo_64x256 14.16 vs 14.27, 9 of 9 rounds (cuDNN 13.98; run 90)
-    (64, True, "small"): ("shortw_64x128", "shortwo_64x256", "pingpong_128x128"),
+    # (cuDNN 13.9; run 21); shortwo_64x256 14.16 vs 14.27, 9 of 9 rounds (cuDNN 13.98; run 90);
+    # shortwot_64x256 14.05 vs 14.09, 6 of 9 (run 99)
+    (64, True, "small"): ("shortw_64x128", "shortwot_64x256", "pingpong_128x128"),
     # B4 S128 N12: shortw_64x128 3.4 us vs tma_64x128 4.2, pingpong_128x128 5.4 (cuDNN 4.8);
     # B2 S256 N12: shortw_64x256 4.4 vs tma_64x128 5.4 (cuDNN 5.9; run 18). Pipelined (session
     # 15, 9 of 9 rounds each in runs 91 / 92): B4 S128 shortwo_64x128 3.28 / 3.37 vs 3.41 /
     # 3.45 (cuDNN 4.84 / 4.73); B2 S256 shortwo_64x256 4.14 vs 4.48 (cuDNN 5.96; run 91). A
-    # tiny launch is at most 264 CTAs of 64 rows: one wave at four per SM
-    (64, False, "tiny"): ("shortwo_64x128", "shortwo_64x256", "tma_64x128"),
+    # tiny launch is at most 264 CTAs of 64 rows: one wave at four per SM. By TMA (run 99): B2
+    # S256 shortwot_64x256 4.12 vs 4.16, 7 of 9 rounds
+    (64, False, "tiny"): ("shortwo_64x128", "shortwot_64x256", "tma_64x128"),
     # B4 S128 N12 causal: shortw_64x128 3.6 us vs pingpong_128x128 5.7 (cuDNN 5.2; run 21); B2
     # S256 N12 causal: shortw_64x256 5.4 vs 7.6 (cuDNN 6.2; run 22). Pipelined (run 91, 9 of 9
-    # rounds each): shortwo_64x128 3.51 vs 3.60 (cuDNN 5.15), shortwo_64x256 5.17 vs 5.33 (6.06)
-    (64, True, "tiny"): ("shortwo_64x128", "shortwo_64x256", "pingpong_128x128"),
+    # rounds each): shortwo_64x128 3.51 vs 3.60 (cuDNN 5.15), shortwo_64x256 5.17 vs 5.33 (6.06);
+    # by TMA (run 99) shortwot_64x256 4.92 vs 5.09, 9 of 9
+    (64, True, "tiny"): ("shortwo_64x128", "shortwot_64x256", "pingpong_128x128"),
     # overlap_128x128 vs pingpong_128x128 (run 25, us): B8 S2048 N16 431.4 vs 443.8, B4 S4096
     # N32 1801.5 vs 1811.9, GQA 32/8 921.0 vs 932.1, bf16 415.2 vs 431.8; over runs 24-28 1-3%
     # faster at all but B4 S4096 (+1.1, +0.6, -3.2, -3.5, +2.9%); ping-pong before: 645 / 609 /

@@ -460,20 +460,12 @@ struct ShortPipelined {};
 template <class... Options>
 inline constexpr bool kShortPipelined = (std::is_same_v<Options, ShortPipelined> || ...);
 
-// Option tag of the short-sequence kernel (experiment, session 16): K and V by TMA, multicast
-// to the query blocks of a head in clusters of up to kMaxCluster CTAs (1: TMA, no cluster)
-template <int kMaxCluster>
-struct ShortTma {
-  static constexpr int value = kMaxCluster;
-};
-
-template <class T>
-struct ShortTmaCluster : std::integral_constant<int, 0> {};
-template <int N>
-struct ShortTmaCluster<ShortTma<N>> : std::integral_constant<int, N> {};
+// Option tag of the short-sequence kernel: its tiles loaded by TMA (hopper_short.cuh,
+// kernel_tma)
+struct ShortTma {};
 
 template <class... Options>
-inline constexpr int kShortTmaCluster = (0 + ... + ShortTmaCluster<Options>::value);
+inline constexpr bool kShortTma = (std::is_same_v<Options, ShortTma> || ...);
 
 // Schedule tag of our short-sequence kernel (hopper_short.cuh: at most 128 or 256 keys, head
 // dim <= 64)
@@ -586,7 +578,7 @@ struct Config {
   // heads in the problem shape's mode 0 (walked before the batch), else the example's order
   static constexpr bool kHeadsMode0 = kHeadsFirst<Options...>;
   static constexpr bool kShortPipelined = hopper::kShortPipelined<Options...>;
-  static constexpr int kShortTmaCluster = hopper::kShortTmaCluster<Options...>;
+  static constexpr bool kShortTma = hopper::kShortTma<Options...>;
 };
 
 constexpr double kLog2e = 1.4426950408889634;  // the kernels take the softmax scale in base 2
@@ -639,30 +631,33 @@ struct ParamsKey {
   float scale;
 };
 
-template <class Kernel>
-struct ParamsCache {
-  static constexpr int kSlots = 16;
-  ParamsKey keys[kSlots];
-  typename Kernel::Params params[kSlots];
+// The last kSlots values built for a key (compared bytewise: keys are memset before filling)
+template <class Key, class Value, int kSlots = 16>
+struct SlotCache {
+  Key keys[kSlots];
+  Value values[kSlots];
   bool valid[kSlots] = {};
   int next = 0;
 
-  typename Kernel::Params const* find(ParamsKey const& key) const {
+  Value const* find(Key const& key) const {
     for (int i = 0; i < kSlots; ++i) {
-      if (valid[i] && std::memcmp(&keys[i], &key, sizeof(ParamsKey)) == 0) return &params[i];
+      if (valid[i] && std::memcmp(&keys[i], &key, sizeof(Key)) == 0) return &values[i];
     }
     return nullptr;
   }
 
-  typename Kernel::Params const* insert(ParamsKey const& key, typename Kernel::Params const& p) {
+  Value const* insert(Key const& key, Value const& value) {
     int const i = next;
     next = (next + 1) % kSlots;
     keys[i] = key;
-    params[i] = p;
+    values[i] = value;
     valid[i] = true;
-    return &params[i];
+    return &values[i];
   }
 };
+
+template <class Kernel>
+using ParamsCache = SlotCache<ParamsKey, typename Kernel::Params>;
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -699,110 +694,53 @@ Status launch_one(typename Kernel::Params const& params, cudaStream_t stream,
   return after_launch(cuda_error);
 }
 
-// The TMA short kernel's K/V tensor maps for one launch, cached like the CUTLASS kernels' Params
-// (encoding a map costs about a microsecond of host time per call otherwise)
+// The TMA short kernel's tensor maps for one launch, cached like the CUTLASS kernels' Params
+// (an encoding costs host time at every call otherwise)
 struct ShortTmaKey {
-  const void* k;
-  const void* v;
-  int64_t strides[6];
-  int dims[4];
-  int cluster;
+  const void* ptr[3];
+  int64_t strides[9];
+  int dims[6];
 };
 
 template <class T, int kKeys>
-short_seq::TmaMaps const* short_tma_maps(Problem const& p, int cluster) {
-  thread_local struct {
-    ShortTmaKey keys[16];
-    short_seq::TmaMaps maps[16];
-    bool valid[16] = {};
-    int next = 0;
-  } cache;
+short_seq::TmaMaps const* short_tma_maps(Problem const& p) {
+  thread_local SlotCache<ShortTmaKey, short_seq::TmaMaps> cache;
   ShortTmaKey key;
   std::memset(&key, 0, sizeof(key));
-  key.k = p.k.ptr;
-  key.v = p.v.ptr;
-  int64_t const strides[] = {p.k.row, p.k.head, p.k.batch, p.v.row, p.v.head, p.v.batch};
+  key.ptr[0] = p.q.ptr;
+  key.ptr[1] = p.k.ptr;
+  key.ptr[2] = p.v.ptr;
+  int64_t const strides[] = {p.q.row, p.q.head, p.q.batch, p.k.row, p.k.head,
+                             p.k.batch, p.v.row, p.v.head, p.v.batch};
   std::memcpy(key.strides, strides, sizeof(strides));
-  key.dims[0] = p.head_dim;
-  key.dims[1] = p.seq_kv;
-  key.dims[2] = p.kv_heads;
-  key.dims[3] = p.batch;
-  key.cluster = cluster;
-  for (int i = 0; i < 16; ++i) {
-    if (cache.valid[i] && std::memcmp(&cache.keys[i], &key, sizeof(key)) == 0) {
-      return &cache.maps[i];
-    }
-  }
+  int const dims[] = {p.head_dim, p.seq_q, p.seq_kv, p.q_heads, p.kv_heads, p.batch};
+  std::memcpy(key.dims, dims, sizeof(dims));
+  if (short_seq::TmaMaps const* hit = cache.find(key)) return hit;
   short_seq::TmaMaps maps;
-  auto encode = [&](CUtensorMap* map, const void* ptr, int64_t row, int64_t head,
-                    int64_t batch) {
+  std::memset(&maps, 0, sizeof(maps));
+  auto encode = [&](CUtensorMap* map, Operand const& op, int rows, int heads, int box_rows) {
     constexpr int64_t kElem = sizeof(T);
-    cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seq_kv), cuuint64_t(p.kv_heads),
-                          cuuint64_t(p.batch)};
-    cuuint64_t strides_b[3] = {cuuint64_t(row * kElem), cuuint64_t(head * kElem),
-                               cuuint64_t(batch * kElem)};
-    cuuint32_t box[4] = {cuuint32_t(short_seq::kHeadDim), cuuint32_t(kKeys / cluster), 1, 1};
+    cuuint64_t dims4[4] = {cuuint64_t(p.head_dim), cuuint64_t(rows), cuuint64_t(heads),
+                           cuuint64_t(p.batch)};
+    cuuint64_t strides_b[3] = {cuuint64_t(op.row * kElem), cuuint64_t(op.head * kElem),
+                               cuuint64_t(op.batch * kElem)};
+    cuuint32_t box[4] = {cuuint32_t(short_seq::kHeadDim), cuuint32_t(box_rows), 1, 1};
     cuuint32_t elem_strides[4] = {1, 1, 1, 1};
     CUresult const r = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
         map,
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        4, const_cast<void*>(ptr), dims, strides_b, box, elem_strides,
+        4, const_cast<void*>(op.ptr), dims4, strides_b, box, elem_strides,
         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return r == CUDA_SUCCESS;
   };
-  if (!encode(&maps.k, p.k.ptr, p.k.row, p.k.head, p.k.batch) ||
-      !encode(&maps.v, p.v.ptr, p.v.row, p.v.head, p.v.batch)) {
+  if (!encode(&maps.q, p.q, p.seq_q, p.q_heads, short_seq::kRows) ||
+      !encode(&maps.k, p.k, p.seq_kv, p.kv_heads, kKeys) ||
+      !encode(&maps.v, p.v, p.seq_kv, p.kv_heads, kKeys)) {
     return nullptr;
   }
-  int const i = cache.next;
-  cache.next = (cache.next + 1) % 16;
-  cache.keys[i] = key;
-  cache.maps[i] = maps;
-  cache.valid[i] = true;
-  return &cache.maps[i];
-}
-
-// The TMA short kernel, in clusters of the query blocks of one head: the largest of
-// kShortTmaCluster, 2 and 1 that divides the blocks
-template <class Cfg, class T>
-Status launch_short_tma(Problem const& p, short_seq::Params const& sp, dim3 grid,
-                        cudaStream_t stream, cudaError_t* cuda_error) {
-  namespace ss = short_seq;
-  constexpr int kKeys = Cfg::kKeysPerCta;
-  constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
-  int cluster = 1;
-  for (int c = Cfg::kShortTmaCluster; c > 1; c /= 2) {
-    if (int(grid.x) % c == 0) {
-      cluster = c;
-      break;
-    }
-  }
-  ss::TmaMaps const* maps = short_tma_maps<T, kKeys>(p, cluster);
-  if (maps == nullptr) return Status::kMisaligned;
-  constexpr int kSmem = ss::smem_bytes_tma<kKeys>();
-  constexpr auto kFn = ss::kernel_tma<T, kCausal, kKeys, Cfg::kShortPipelined>;
-  Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
-  if (st != Status::kOk) return st;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(ss::kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  cudaError_t const err = cudaLaunchKernelEx(&config, kFn, sp, *maps);
-  if (err != cudaSuccess) {
-    if (cuda_error != nullptr) *cuda_error = err;
-    return Status::kLaunch;
-  }
-  return after_launch(cuda_error);
+  return cache.insert(key, maps);
 }
 
 // The short-sequence kernel: one launch, GQA by head index (h / G), bounds read at run time.
@@ -834,8 +772,16 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
   static_assert(Cfg::kRowsPerCta == ss::kRows, "one warpgroup of 64 query rows per CTA");
   dim3 const grid((p.seq_q + ss::kRows - 1) / ss::kRows, p.q_heads, p.batch);
   constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
-  if constexpr (Cfg::kShortTmaCluster > 0) {
-    return launch_short_tma<Cfg, T>(p, sp, grid, stream, cuda_error);
+  if constexpr (Cfg::kShortTma) {
+    // (an encoding the driver refuses falls back to the cp.async kernel below)
+    if (ss::TmaMaps const* maps = short_tma_maps<T, kKeys>(p)) {
+      constexpr int kSmem = ss::smem_bytes_tma<kKeys>();
+      constexpr auto kFn = ss::kernel_tma<T, kCausal, kKeys, Cfg::kShortPipelined>;
+      Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
+      if (st != Status::kOk) return st;
+      kFn<<<grid, ss::kThreads, kSmem, stream>>>(sp, *maps);
+      return after_launch(cuda_error);
+    }
   }
   constexpr int kSmem = ss::smem_bytes<kKeys>();
   constexpr auto kFn = ss::kernel<T, kCausal, kKeys, Cfg::kShortPipelined>;
@@ -938,7 +884,8 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
          p.kv_heads},
         {static_cast<Element*>(p.o), dO, p.lse, dLSE},
         hw};
-    return launch_one<Kernel>(*cached_params(cache, key, args, p.scale), stream, cuda_error);
+    return launch_one<Kernel>(*cached_params<Kernel>(cache, key, args, p.scale), stream,
+                              cuda_error);
   } else {
     // The example's non-warp-specialized mainloop fixes its strides: launch g of G reads query
     // heads g, g + G, ... (stride G H) against all Nkv key/value heads.
@@ -959,7 +906,8 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
            static_cast<const Element*>(p.v.ptr), dV},
           {o, dO, p.lse, dLSE},
           hw};
-      st = launch_one<Kernel>(*cached_params(cache, key, args, p.scale), stream, cuda_error);
+      st = launch_one<Kernel>(*cached_params<Kernel>(cache, key, args, p.scale), stream,
+                              cuda_error);
       if (st != Status::kOk) return st;
     }
     return Status::kOk;

@@ -22,13 +22,6 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>  // wgmma.mma_async wrappers and fences (no CuTe layouts)
 
-// A probe (session 16), only in objects built with -DSTACKFUSE_SHORT_PROBE_LOADS=N: 1 skips
-// the V load, 2 K and V, 3 every load (the results are wrong): how much of the kernel's time
-// its loads from L2 cost.
-#ifndef STACKFUSE_SHORT_PROBE_LOADS
-#define STACKFUSE_SHORT_PROBE_LOADS 0
-#endif
-
 namespace stackfuse {
 namespace hopper {
 namespace short_seq {
@@ -507,44 +500,26 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) 
     int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
     keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
   }
-#if STACKFUSE_SHORT_PROBE_LOADS == 0
   load_qk<T, kKeys>(sQ, sK, it.q, it.k, p, min(kRows, p.seq_q - it.m0), tid, keys);
-#else  // a probe, wrong results: which loads the kernel's time depends on
-  if (STACKFUSE_SHORT_PROBE_LOADS < 3)
-    load_tile<kRows>(sQ, it.q, p.q_row, min(kRows, p.seq_q - it.m0), p.head_dim / 8, tid);
-  if (STACKFUSE_SHORT_PROBE_LOADS < 2)
-    load_tile<kKeys>(sK, it.k, p.k_row, p.seq_kv, p.head_dim / 8, tid, keys);
-#endif
   commit_group();
-  if (STACKFUSE_SHORT_PROBE_LOADS == 0)
-    load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid, keys);
+  load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid, keys);
   commit_group();
   fill_ones<T>(sOnes, tid);
   land<1>();
   attend_seen<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it, keys, [] { land<0>(); });
 }
 
-// K/V tensor maps of a TMA launch (kernel_tma): dims (head dim, keys, key/value heads, batch),
-// a box of 64 x (kKeys / cluster size) rows in the 128-byte swizzle, zero fill past the ends
+// Tensor maps of a TMA launch (kernel_tma): dims (head dim, rows, heads, batch), a box of 64
+// columns x the rows of the CTA's tile (64 of Q, every key of K and V) in the 128-byte swizzle
+// that swz() describes, zero fill past the ends (rows past a sequence, columns past the head dim)
 struct TmaMaps {
+  CUtensorMap q;
   CUtensorMap k;
   CUtensorMap v;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t cluster_ctas() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
-  return r;
 }
 
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
@@ -556,26 +531,15 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// Rows [rank * rows, (rank + 1) * rows) of one head's keys (or values) into the same rows of
-// `dst` in every CTA of the cluster (multicast when it has more than one), completing `bar`
-// there
-__device__ __forceinline__ void tma_rows(CUtensorMap const* map, uint4* dst, uint64_t* bar,
-                                         int row, int head, int batch, uint32_t ctas) {
-  uint64_t const m = reinterpret_cast<uint64_t>(map);
-  if (ctas > 1) {
-    uint16_t const mask = static_cast<uint16_t>((1u << ctas) - 1);
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        ".multicast::cluster [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(smem_u32(dst)),
-        "l"(m), "r"(smem_u32(bar)), "r"(0), "r"(row), "r"(head), "r"(batch), "h"(mask)
-        : "memory");
-  } else {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
-        "l"(m), "r"(smem_u32(bar)), "r"(0), "r"(row), "r"(head), "r"(batch)
-        : "memory");
-  }
+// One box of `map` at (0, row, head, batch) into `dst`, completing `bar`
+__device__ __forceinline__ void tma_box(CUtensorMap const* map, uint4* dst, uint64_t* bar,
+                                        int row, int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(0), "r"(row), "r"(head),
+      "r"(batch)
+      : "memory");
 }
 
 template <int kKeys>
@@ -583,10 +547,13 @@ constexpr int smem_bytes_tma() {
   return smem_bytes<kKeys>() + 16;  // two mbarriers after the ones
 }
 
-// The kernel with K and V loaded by TMA (experiment, session 16): one thread of each CTA loads
-// its share of the rows and multicasts it to every CTA of its cluster (the query blocks of one
-// head, up to four), so L2 serves each K/V tile once per cluster instead of once per CTA. Q
-// stays on cp.async (its rows are the CTA's own). Launched with a cluster dimension along x.
+// The kernel with its tiles loaded by TMA (option ShortTma, session 16): one thread issues three
+// tensor copies, Q and K on barrier 0, V on barrier 1, so the loads cost no instructions per copy
+// (the cp.async kernel spends ~280 on them at 256 keys) and each lands as a few large L2
+// requests. At 129-256 keys it is as fast or faster at every shape measured: GQA 16/4 B32 S256
+// 26.8 vs 28.3 us, 9 of 9 rounds (run 99). At 128 keys it is slower (BERT-base 9.8-10.3 vs 9.6
+// us), and TMA always fetches the whole box, where the cp.async kernel skips the keys a causal
+// block does not see; the 128-key variants keep cp.async.
 template <class T, bool kCausal, int kKeys, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
     kernel_tma(Params const p, const __grid_constant__ TmaMaps maps) {
@@ -598,50 +565,33 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) 
   uint64_t* bars = reinterpret_cast<uint64_t*>(sOnes + kOnesBytes / 16);
   Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
   int const tid = threadIdx.x;
-  uint32_t const ctas = cluster_ctas();
   if (tid == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[0])));
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(&bars[1])));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  load_tile<kRows>(sQ, it.q, p.q_row, min(kRows, p.seq_q - it.m0), p.head_dim / 8, tid);
-  commit_group();
-  fill_ones<T>(sOnes, tid);
-  // every CTA's barriers initialized before any CTA's multicast reaches them
-  if (ctas > 1) {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
-  } else {
-    __syncthreads();
-  }
-  if (tid == 0) {
-    uint32_t const rank = cluster_rank();
-    int const rows = kKeys / int(ctas);
-    constexpr uint32_t kBytes = kKeys * kHeadDim * 2;
-    for (int i = 0; i < 2; ++i) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                       smem_u32(&bars[i])),
-                   "r"(kBytes)
-                   : "memory");
-    }
+    constexpr uint32_t kTile = kKeys * kHeadDim * 2;
+    constexpr uint32_t kQK = kTile + kRows * kHeadDim * 2;
+    asm volatile(
+        "mbarrier.init.shared::cta.b64 [%0], 1;\n"
+        "mbarrier.init.shared::cta.b64 [%1], 1;\n"
+        "fence.mbarrier_init.release.cluster;\n"
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %2;\n"
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %3;\n" ::"r"(smem_u32(&bars[0])),
+        "r"(smem_u32(&bars[1])), "r"(kQK), "r"(kTile)
+        : "memory");
     int const kv = it.h / p.groups;
-    int const r0 = int(rank) * rows;
-    tma_rows(&maps.k, sK + r0 * kChunks, &bars[0], r0, kv, it.b, ctas);
-    tma_rows(&maps.v, sV + r0 * kChunks, &bars[1], r0, kv, it.b, ctas);
+    tma_box(&maps.q, sQ, &bars[0], it.m0, it.h, it.b);
+    tma_box(&maps.k, sK, &bars[0], 0, kv, it.b);
+    tma_box(&maps.v, sV, &bars[1], 0, kv, it.b);
   }
+  fill_ones<T>(sOnes, tid);
   int keys = kKeys;
   if constexpr (kCausal && kKeys == 256) {
     int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
     keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
   }
-  land<0>();  // Q and the ones
+  fence_async_shared();  // the ones, visible to wgmma
+  __syncthreads();       // ... and the barriers initialized before anyone waits on them
   mbar_wait(&bars[0], 0);
-  attend_seen<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it, keys, [&] {
-    mbar_wait(&bars[1], 0);
-    // every write into this CTA has landed: tell the cluster it may exit
-    if (ctas > 1) asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-  });
-  if (ctas > 1) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  attend_seen<T, kCausal, kKeys, kPipelined>(sQ, sK, sV, sOnes, p, it, keys,
+                                             [&] { mbar_wait(&bars[1], 0); });
 }
 
 }  // namespace short_seq
