@@ -222,18 +222,13 @@ def catalog() -> list[Slot]:
     add(b16, "overlapoq_128x64", "none@256", _HEADS_256)
     add(b16, "overlapoq_128x64", "TopLeft@256", [(8, 8, 256)])
     # session 16: the short kernel's tiles loaded by TMA (run 99 also built shortwt_64x256, K and
-    # V only, and both at 128 keys: slower there, not kept)
+    # V only, and both at 128 keys: slower there, not kept; run 103 try_wait with a suspend-time
+    # hint: no gain, commit 257fb20)
     add(f16, "shortwot_64x256", "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
     add(f16, "shortwot_64x256", "TopLeft@64", [(12, 12, 64), gqa], [gqa])
     add(f16, "shortwot_64x256", "BottomRight@64", [], [gqa])
     add(b16, "shortwot_64x256", "none@64", [(12, 12, 64), gqa], [gqa])
     add(b16, "shortwot_64x256", "TopLeft@64", [gqa])
-    # session 16: try_wait with CUTLASS's suspend-time hint (experiment)
-    ticks = ("-DSTACKFUSE_MBAR_TICKS=0x989680",)
-    add(f16, "shortwot_64x256", "none@64", _HEADS_64, flags=ticks)
-    add(f16, "shortwot_64x256", "TopLeft@64", [(12, 12, 64)], flags=ticks)
-    add(f16, "shortwt_64x128", "none@64", _HEADS_64)
-    add(f16, "shortwt_64x128", "none@64", _HEADS_64, flags=ticks)
     # (run 89 also built pingpongq with O staged in the Q stage, five K/V stages again:
     # pingpongqo_128x128, 1.012x pingpongq at B16 S256 N16 H128, 0.967-0.978x at the causal and
     # head-dim-32 short shapes; not kept, commit 54beefc)

@@ -207,7 +207,6 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "shortwot_64x256", _SHORT, 64, 256, (*_SHORT_PIPELINED, *_SHORT_TMA), max_seq_kv=256
         ),
-        Variant("shortwt_64x128", _SHORT, 64, 128, _SHORT_TMA, max_seq_kv=128),  # experiment
         Variant("coop_128x64", _COOP, 128, 64),
         Variant("pingpong_128x64", _PING, 128, 64),
         Variant("coop_128x128", _COOP, 128, 128),
@@ -289,7 +288,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortwo_64x128",
         "shortwo_64x256",
         "shortwot_64x256",
-        "shortwt_64x128",
     ),
     128: (
         "overlap_128x128",

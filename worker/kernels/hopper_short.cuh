@@ -522,26 +522,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-#ifndef STACKFUSE_MBAR_TICKS  // experiment (session 16): try_wait's suspend-time hint, 0: none
-#define STACKFUSE_MBAR_TICKS 0
-#endif
-
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-#if STACKFUSE_MBAR_TICKS > 0
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity), "n"(STACKFUSE_MBAR_TICKS)
-      : "memory");
-#else
   asm volatile(
       "{\n.reg .pred p;\nWAIT_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
-#endif
 }
 
 // One box of `map` at (0, row, head, batch) into `dst`, completing `bar`
