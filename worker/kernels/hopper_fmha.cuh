@@ -702,7 +702,7 @@ struct ShortTmaKey {
   int dims[6];
 };
 
-template <class T, int kBoxKeys>
+template <class T, int kKeys>
 short_seq::TmaMaps const* short_tma_maps(Problem const& p) {
   thread_local SlotCache<ShortTmaKey, short_seq::TmaMaps> cache;
   ShortTmaKey key;
@@ -736,8 +736,8 @@ short_seq::TmaMaps const* short_tma_maps(Problem const& p) {
     return r == CUDA_SUCCESS;
   };
   if (!encode(&maps.q, p.q, p.seq_q, p.q_heads, short_seq::kRows) ||
-      !encode(&maps.k, p.k, p.seq_kv, p.kv_heads, kBoxKeys) ||
-      !encode(&maps.v, p.v, p.seq_kv, p.kv_heads, kBoxKeys)) {
+      !encode(&maps.k, p.k, p.seq_kv, p.kv_heads, kKeys) ||
+      !encode(&maps.v, p.v, p.seq_kv, p.kv_heads, kKeys)) {
     return nullptr;
   }
   return cache.insert(key, maps);
@@ -774,7 +774,7 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
   constexpr bool kCausal = Cfg::kCausalMode != CausalMode::kNone;
   if constexpr (Cfg::kShortTma) {
     // (an encoding the driver refuses falls back to the cp.async kernel below)
-    if (ss::TmaMaps const* maps = short_tma_maps<T, ss::kTmaBoxKeys<kCausal, kKeys>>(p)) {
+    if (ss::TmaMaps const* maps = short_tma_maps<T, kKeys>(p)) {
       constexpr int kSmem = ss::smem_bytes_tma<kKeys>();
       constexpr auto kFn = ss::kernel_tma<T, kCausal, kKeys, Cfg::kShortPipelined>;
       Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);

@@ -547,11 +547,6 @@ constexpr int smem_bytes_tma() {
   return smem_bytes<kKeys>() + 16;  // two mbarriers after the ones
 }
 
-// Rows of a K/V box of the TMA kernel: every key, or under a causal mask half of them (a block
-// that sees at most the first half loads one box)
-template <bool kCausal, int kKeys>
-inline constexpr int kTmaBoxKeys = kCausal && kKeys == 256 ? kKeys / 2 : kKeys;
-
 // The kernel with its tiles loaded by TMA (option ShortTma, session 16): one thread issues three
 // tensor copies, Q and K on barrier 0, V on barrier 1, so the loads cost no instructions per copy
 // (the cp.async kernel spends ~280 on them at 256 keys) and each lands as a few large L2
@@ -570,33 +565,28 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) 
   uint64_t* bars = reinterpret_cast<uint64_t*>(sOnes + kOnesBytes / 16);
   Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
   int const tid = threadIdx.x;
-  int keys = kKeys;
-  if constexpr (kCausal && kKeys == 256) {  // keys 0 .. m0 + 63 + causal_offset are seen
-    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
-    keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
-  }
   if (tid == 0) {
-    // causal: K and V in boxes of half the keys, the second only where the block sees past it
-    constexpr int kBox = kTmaBoxKeys<kCausal, kKeys>;
-    int const boxes = (keys + kBox - 1) / kBox;
-    uint32_t const kv_bytes = uint32_t(boxes) * kBox * kHeadDim * 2;
-    uint32_t const qk_bytes = kv_bytes + kRows * kHeadDim * 2;
+    constexpr uint32_t kTile = kKeys * kHeadDim * 2;
+    constexpr uint32_t kQK = kTile + kRows * kHeadDim * 2;
     asm volatile(
         "mbarrier.init.shared::cta.b64 [%0], 1;\n"
         "mbarrier.init.shared::cta.b64 [%1], 1;\n"
         "fence.mbarrier_init.release.cluster;\n"
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %2;\n"
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %3;\n" ::"r"(smem_u32(&bars[0])),
-        "r"(smem_u32(&bars[1])), "r"(qk_bytes), "r"(kv_bytes)
+        "r"(smem_u32(&bars[1])), "r"(kQK), "r"(kTile)
         : "memory");
     int const kv = it.h / p.groups;
     tma_box(&maps.q, sQ, &bars[0], it.m0, it.h, it.b);
-    for (int i = 0; i < boxes; ++i) {
-      tma_box(&maps.k, sK + i * kBox * kChunks, &bars[0], i * kBox, kv, it.b);
-      tma_box(&maps.v, sV + i * kBox * kChunks, &bars[1], i * kBox, kv, it.b);
-    }
+    tma_box(&maps.k, sK, &bars[0], 0, kv, it.b);
+    tma_box(&maps.v, sV, &bars[1], 0, kv, it.b);
   }
   fill_ones<T>(sOnes, tid);
+  int keys = kKeys;
+  if constexpr (kCausal && kKeys == 256) {
+    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
+    keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
+  }
   fence_async_shared();  // the ones, visible to wgmma
   __syncthreads();       // ... and the barriers initialized before anyone waits on them
   mbar_wait(&bars[0], 0);
