@@ -743,6 +743,16 @@ short_seq::TmaMaps const* short_tma_maps(Problem const& p) {
   return cache.insert(key, maps);
 }
 
+// One launch of a short-sequence kernel: CTAs of short_seq::kThreads, `smem` bytes each
+template <auto kFn, class... Args>
+Status launch_short_kernel(dim3 grid, int smem, int device_id, cudaStream_t stream,
+                           cudaError_t* cuda_error, Args const&... args) {
+  Status const st = ensure_smem_attribute<kFn>(smem, device_id);
+  if (st != Status::kOk) return st;
+  kFn<<<grid, short_seq::kThreads, smem, stream>>>(args...);
+  return after_launch(cuda_error);
+}
+
 // The short-sequence kernel: one launch, GQA by head index (h / G), bounds read at run time.
 template <class Cfg>
 Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) {
@@ -775,20 +785,12 @@ Status launch_short(Problem const& p, cudaStream_t stream, cudaError_t* cuda_err
   if constexpr (Cfg::kShortTma) {
     // (an encoding the driver refuses falls back to the cp.async kernel below)
     if (ss::TmaMaps const* maps = short_tma_maps<T, kKeys>(p)) {
-      constexpr int kSmem = ss::smem_bytes_tma<kKeys>();
-      constexpr auto kFn = ss::kernel_tma<T, kCausal, kKeys, Cfg::kShortPipelined>;
-      Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
-      if (st != Status::kOk) return st;
-      kFn<<<grid, ss::kThreads, kSmem, stream>>>(sp, *maps);
-      return after_launch(cuda_error);
+      return launch_short_kernel<ss::kernel_tma<T, kCausal, kKeys, Cfg::kShortPipelined>>(
+          grid, ss::smem_bytes_tma<kKeys>(), p.device_id, stream, cuda_error, sp, *maps);
     }
   }
-  constexpr int kSmem = ss::smem_bytes<kKeys>();
-  constexpr auto kFn = ss::kernel<T, kCausal, kKeys, Cfg::kShortPipelined>;
-  Status const st = ensure_smem_attribute<kFn>(kSmem, p.device_id);
-  if (st != Status::kOk) return st;
-  kFn<<<grid, ss::kThreads, kSmem, stream>>>(sp);
-  return after_launch(cuda_error);
+  return launch_short_kernel<ss::kernel<T, kCausal, kKeys, Cfg::kShortPipelined>>(
+      grid, ss::smem_bytes<kKeys>(), p.device_id, stream, cuda_error, sp);
 }
 
 template <class Cfg>

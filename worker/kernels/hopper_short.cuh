@@ -458,6 +458,34 @@ __device__ __forceinline__ void attend(uint4* sQ, uint4 const* sK, uint4 const* 
   store_out<T>(o, inv, sQ, p, it);
 }
 
+// The CTA's tiles in dynamic shared memory, in the order smem_bytes() counts them: Q (64 rows),
+// K and V (kKeys rows each), the ones
+struct Tiles {
+  uint4* q;
+  uint4* k;
+  uint4* v;
+  uint4* ones;
+};
+
+template <int kKeys>
+__device__ __forceinline__ Tiles tiles(uint4* smem) {
+  uint4* const k = smem + kRows * kChunks;
+  uint4* const v = k + kKeys * kChunks;
+  return {smem, k, v, v + kKeys * kChunks};
+}
+
+// The keys a block computes: all of them, or at 256 keys under a causal mask those its last row
+// sees (keys 0 .. m0 + 63 + causal_offset), rounded up to 64
+template <bool kCausal, int kKeys, class T>
+__device__ __forceinline__ int keys_seen(Params const& p, Item<T> const& it) {
+  if constexpr (kCausal && kKeys == 256) {
+    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
+    return min(kKeys, max(64, (seen + 63) / 64 * 64));
+  } else {
+    return kKeys;
+  }
+}
+
 // attend() at the key count a causal block sees (`keys`, a multiple of 64; 256-key kernel only)
 template <class T, bool kCausal, int kKeys, bool kPipelined, class WaitV>
 __device__ __forceinline__ void attend_seen(uint4* sQ, uint4 const* sK, uint4 const* sV,
@@ -489,17 +517,10 @@ template <class T, bool kCausal, int kKeys, bool kPipelined = false>
 __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
     kernel(Params const p) {
   extern __shared__ __align__(1024) uint4 smem[];
-  uint4* sQ = smem;
-  uint4* sK = sQ + kRows * kChunks;
-  uint4* sV = sK + kKeys * kChunks;
-  uint4* sOnes = sV + kKeys * kChunks;
+  auto const [sQ, sK, sV, sOnes] = tiles<kKeys>(smem);
   Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
   int const tid = threadIdx.x;
-  int keys = kKeys;
-  if constexpr (kCausal && kKeys == 256) {  // keys 0 .. m0 + 63 + causal_offset are seen
-    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
-    keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
-  }
+  int const keys = keys_seen<kCausal, kKeys>(p, it);
   load_qk<T, kKeys>(sQ, sK, it.q, it.k, p, min(kRows, p.seq_q - it.m0), tid, keys);
   commit_group();
   load_tile<kKeys>(sV, it.v, p.v_row, p.seq_kv, p.head_dim / 8, tid, keys);
@@ -558,10 +579,7 @@ template <class T, bool kCausal, int kKeys, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
     kernel_tma(Params const p, const __grid_constant__ TmaMaps maps) {
   extern __shared__ __align__(1024) uint4 smem[];
-  uint4* sQ = smem;
-  uint4* sK = sQ + kRows * kChunks;
-  uint4* sV = sK + kKeys * kChunks;
-  uint4* sOnes = sV + kKeys * kChunks;
+  auto const [sQ, sK, sV, sOnes] = tiles<kKeys>(smem);
   uint64_t* bars = reinterpret_cast<uint64_t*>(sOnes + kOnesBytes / 16);
   Item<T> const it(p, blockIdx.x, blockIdx.y, blockIdx.z);
   int const tid = threadIdx.x;
@@ -582,11 +600,7 @@ __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) 
     tma_box(&maps.v, sV, &bars[1], 0, kv, it.b);
   }
   fill_ones<T>(sOnes, tid);
-  int keys = kKeys;
-  if constexpr (kCausal && kKeys == 256) {
-    int const seen = min(p.seq_kv, it.m0 + kRows + p.causal_offset);
-    keys = min(kKeys, max(64, (seen + 63) / 64 * 64));
-  }
+  int const keys = keys_seen<kCausal, kKeys>(p, it);
   fence_async_shared();  // the ones, visible to wgmma
   __syncthreads();       // ... and the barriers initialized before anyone waits on them
   mbar_wait(&bars[0], 0);
