@@ -291,6 +291,32 @@ CASES: list[Case] = [
         s_kv=230,
         expect="plain",
     ),
+    # session 17: long causal head dim 64 with the query blocks aligned to the last row
+    # (overlap3kls_192x128): GQA 16/4 bottom-right at 2048 rows (one warpgroup tile before row
+    # 0), and separate tensors with 700 queries and 1300 keys, bottom-right (68 empty rows: one
+    # tile moved, 4 rows of the last block still past Sq)
+    Case(
+        "split_fp16_gqa_q16_kv4_s2048_h64_bottomright",
+        "stacked",
+        2,
+        2048,
+        16,
+        64,
+        64,
+        {"n_kv": 4, "causal": "BottomRight"},
+    ),
+    Case(
+        "plain_fp16_s700_kv1300_h64_bottomright",
+        "plain",
+        4,
+        700,
+        12,
+        64,
+        64,
+        {"causal": "BottomRight"},
+        s_kv=1300,
+        expect="plain",
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -329,6 +355,8 @@ HOPPER_CASES = (
     "split_bf16_gqa_q16_kv4_s250_h64_bottomright",
     "split_fp16_mqa_q8_kv1_s160_h64_causal",
     "plain_fp16_s100_kv230_h64",
+    "split_fp16_gqa_q16_kv4_s2048_h64_bottomright",
+    "plain_fp16_s700_kv1300_h64_bottomright",
 )
 
 

@@ -173,6 +173,11 @@ def catalog() -> list[Slot]:
     add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kl_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(b16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
+    # session 17: the same with the query blocks aligned to the last row (ShiftRows)
+    add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
+    add(f16, "overlap3kls_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
+    add(b16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
+    add(f16, "overlap3klo_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     # head dim 256: the overlapped mainloop with lazy rescale, in the cooperative kernel
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
     add(f16, "overlapc_128x64", "TopLeft@256", _HEADS_256, [], [(8, 8, 256)])
@@ -571,16 +576,36 @@ H256_SHAPES = [
     ("b8_s512_n8_h256", 8, 512, 8, 8, 256, False, "float16"),  # 256 tiles of 8 key tiles
 ]
 
+#: long causal launches at head dim 64 (``run --shapes causal64``): 192-row query blocks whose
+#: last one is ragged at 1024-8192 rows (row_shift 64 or 128), and 1500 rows (36: no key tile
+#: saved)
+CAUSAL64_SHAPES = [
+    *(sh for sh in BENCH_SHAPES if sh[5] == 64 and sh[6]),
+    ("b4_s1024_n16_h64_causal", 4, 1024, 16, 16, 64, True, "float16"),
+    ("b2_s4096_n16_h64_causal", 2, 4096, 16, 16, 64, True, "float16"),
+    ("b1_s8192_n16_h64_causal", 1, 8192, 16, 16, 64, True, "float16"),
+    ("b4_s1500_n16_h64_causal", 4, 1500, 16, 16, 64, True, "float16"),
+    ("b8_s2048_n16_h64_causal_bf16", 8, 2048, 16, 16, 64, True, "bfloat16"),
+]
+
 #: every shape of every set, by name (the probes' --shape choices)
 ALL_SHAPES = {
-    s[0]: s for s in (*BENCH_SHAPES, *SWEEP_SHAPES, *SHORT_SHAPES, *H128_SHAPES, *H256_SHAPES)
+    s[0]: s
+    for s in (
+        *BENCH_SHAPES,
+        *SWEEP_SHAPES,
+        *SHORT_SHAPES,
+        *H128_SHAPES,
+        *H256_SHAPES,
+        *CAUSAL64_SHAPES,
+    )
 }
 
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
-    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_SHAPES
-    when HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 / long128 (set by ``run --shapes``;
-    the worker processes inherit it)."""
+    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_ /
+    CAUSAL64_SHAPES when HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 / long128 / causal64
+    (set by ``run --shapes``; the worker processes inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
     table = {
         "sweep": SWEEP_SHAPES,
@@ -588,6 +613,7 @@ def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
         "h128": H128_SHAPES,
         "h256": H256_SHAPES,
         "long128": LONG128_SHAPES,
+        "causal64": CAUSAL64_SHAPES,
     }
     return table.get(chosen or "", BENCH_SHAPES)
 
@@ -1439,9 +1465,9 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=["main", "sweep", "short", "h128", "h256", "long128"],
+        choices=["main", "sweep", "short", "h128", "h256", "long128", "causal64"],
         default="main",
-        help="BENCH_, SWEEP_, SHORT_, H128_, H256_ or LONG128_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_ or CAUSAL64_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)

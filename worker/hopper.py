@@ -127,6 +127,8 @@ class Variant:
             words += "; each warpgroup computes only the key tiles its rows see"
         if causal and self.has(_CHUNKED):
             words += "; tiles handed out heaviest first within chunks of heads"
+        if causal and self.has(_SHIFT_ROWS):
+            words += "; query blocks end at the last row, so a ragged block is the lightest"
         return words
 
     @property
@@ -166,6 +168,11 @@ _EPILOGUE_IN_Q = ("stackfuse::hopper::EpilogueInQ",)
 #: our epilogue in turn: the stagger the overlapped mainloop wants (in the other overlapped
 #: kernels the example's epilogue, in turn, gives it)
 _OWN_IN_TURN = ("stackfuse::hopper::OwnEpilogueInTurn",)
+
+
+#: causal masks: query blocks aligned to the last row instead of row 0, so the rows a ragged
+#: block wastes are the first (lightest) block's, not the last (heaviest) one's (StackfuseMask)
+_SHIFT_ROWS = ("stackfuse::hopper::ShiftRows",)
 
 
 #: the short-sequence kernel's exponentials overlapping its own P V (hopper_short.cuh)
@@ -240,6 +247,23 @@ VARIANTS: dict[str, Variant] = {
             128,
             (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY, *_EXAMPLE_EPILOGUE),
         ),
+        # and with the query blocks aligned to the last row under a causal mask (our epilogue,
+        # out of turn: the example's cannot store shifted rows; runs 73-74 had ours out of turn
+        # and the example's in turn within 0.4% of each other on overlap3kl)
+        Variant(
+            "overlap3kls_192x128",
+            _PING,
+            192,
+            128,
+            (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY, *_SHIFT_ROWS),
+        ),
+        Variant(
+            "overlap3klo_192x128",
+            _PING,
+            192,
+            128,
+            (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY),
+        ),
         # the same mainloop in the cooperative kernel, with O rescaled lazily, for head dim 256
         # (no ping-pong fits there; O is 128 floats per thread, rescaled per 64-key tile)
         Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
@@ -276,6 +300,8 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
     64: (
         "overlap3_192x128",
         "overlap3kl_192x128",
+        "overlap3kls_192x128",
+        "overlap3klo_192x128",
         "overlap3k_192x128",
         "pingpong3_192x128",
         "coop3_192x128",
@@ -342,7 +368,12 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # the per-warpgroup counts: 216 vs ping-pong 203 (run 24), 211.3 (42). (Runs 31-32's "with
     # or without" timed one kernel twice: docs/field-notes.md, session 9.) Before: ping-pong,
     # overlap_128x128 a tie with it over runs 25-34.
-    (64, True, "large"): "overlap3kl_192x128",
+    # Session 17 (run 108, medians of 9 rounds, paired per round): overlap3kls_192x128 (query
+    # blocks aligned to the last row) vs overlap3kl_192x128: B8 S2048 N16 177.4 vs 179.6 us
+    # (1.013, 7 of 9 rounds; SDPA's fastest 188.9), bf16 173.2 vs 176.6 (1.017, 9/9), B4 S1024
+    # 35.3 vs 36.4 (1.030, 9/9; cuDNN 34.1), B2 S4096 1.003, B1 S8192 1.001; where no whole
+    # warpgroup tile is left to shift (B4 S1500) 53.9 vs 53.4 (0.991, 0/9)
+    (64, True, "large"): "overlap3kls_192x128",
     # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
     # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
     # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had

@@ -203,6 +203,13 @@ def test_short_sequence_variant_only_where_every_key_fits() -> None:
     for name in ("overlap_128x128", "overlap3_192x128", "overlap3k_192x128", "overlap3kl_192x128"):
         assert example in hopper.render_config(stacked(h=64), name).source
     assert example not in hopper.render_config(stacked(h=128), "pingpong_128x128").source
+    # shifted query blocks need our epilogue (a static_assert says so too)
+    shifted = hopper.render_config(stacked(h=64, causal="TopLeft"), "overlap3kls_192x128").source
+    assert "stackfuse::hopper::ShiftRows" in shifted and example not in shifted
+    ends = "query blocks end at the last row"
+    assert ends in hopper.VARIANTS["overlap3kls_192x128"].words(causal=True)
+    assert ends not in hopper.VARIANTS["overlap3kls_192x128"].words(causal=False)
+    assert ends not in hopper.VARIANTS["overlap3kl_192x128"].words(causal=True)
 
 
 def test_shape_classes_follow_the_measurements() -> None:
@@ -269,8 +276,9 @@ def test_shape_classes_follow_the_measurements() -> None:
     # long causal head dim 64: three warpgroups, each computing only the key tiles its rows
     # see (195-198 vs ping-pong's 200-202 us, runs 42-44), their tiles handed out heaviest
     # first within chunks of heads (193.6-193.8 vs 197.4-200.7 us, runs 55-57), O rescaled
-    # lazily (189.5-189.9 vs 191.1-191.5, runs 58-59)
-    assert hopper.variants(stacked(seq=2048, h=64, causal="TopLeft"))[0] == "overlap3kl_192x128"
+    # lazily (189.5-189.9 vs 191.1-191.5, runs 58-59), the query blocks aligned to the last row
+    # (177.4 vs 179.6 us, 7 of 9 rounds; B4 S1024 35.3 vs 36.4, 9 of 9; run 108)
+    assert hopper.variants(stacked(seq=2048, h=64, causal="TopLeft"))[0] == "overlap3kls_192x128"
     # short prompts at head dim 128: ping-pong (its overlapped version lost there, run 25), with
     # the next tile's Q loaded ahead (run 79)
     assert hopper.variants(stacked(batch=16, seq=256, nq=16, nkv=16, h=128))[0] == (
@@ -376,8 +384,9 @@ _ALLOWED_IDENTIFIERS = {
     # the overlapped mainloop's options (hopper_overlap.cuh)
     "Overlap",
     "LazyRescale",
-    # the causal tile order option (hopper_fmha.cuh)
+    # the causal tile order option, and query blocks aligned to the last row (hopper_fmha.cuh)
     "ChunkedOrder",
+    "ShiftRows",
     # the example's epilogue in turn; ours in turn, O staged in the Q stage (hopper_kernel_ws.cuh)
     "ExampleEpilogue",
     "OwnEpilogueInTurn",
@@ -405,6 +414,7 @@ def _code_tokens(source: str) -> tuple[set[str], list[str]]:
         ("overlap3_192x128", 64),
         ("overlap3k_192x128", 64),
         ("overlap3kl_192x128", 64),
+        ("overlap3kls_192x128", 64),
         ("tma_64x128", 64),
         ("coop_128x64", 256),
         ("overlapc_128x64", 256),
@@ -505,24 +515,26 @@ def test_render_rejects_unknown_variant_and_unsupported_spec() -> None:
 @pytest.mark.nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("variant", "h"),
+    ("variant", "h", "causal"),
     [
-        ("overlap_128x128", 128),
-        ("pingpong_128x128", 128),
-        ("pingpongq_128x128", 128),
-        ("shortw_64x128", 64),
-        ("overlapoq_128x64", 256),
+        ("overlap_128x128", 128, "none"),
+        ("pingpong_128x128", 128, "none"),
+        ("pingpongq_128x128", 128, "none"),
+        ("shortw_64x128", 64, "none"),
+        ("overlapoq_128x64", 256, "none"),
+        ("overlap3kls_192x128", 64, "TopLeft"),
     ],
 )
-def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int) -> None:
+def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int, causal: str) -> None:
     """One forward configuration for sm_90a through the service's cached nvcc: our
     warp-specialized kernel with our overlapped mainloop and the example's epilogue in turn (the
     pick for long sequences at head dim 128), with the example's mainloop and our epilogue out of
     turn (causal head dim 128), the same with two Q stages per warpgroup and four K/V stages
     (short prompts; its shared memory is checked against the H200's 227 KB at compile time), our
-    short-sequence kernel, and the persistent head-dim-256 kernel (64 KB of Q and five K/V stages,
-    O staged in the Q stage: at the limit too)."""
-    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h)
+    short-sequence kernel, the persistent head-dim-256 kernel (64 KB of Q and five K/V stages,
+    O staged in the Q stage: at the limit too), and the causal three-warpgroup kernel with its
+    query blocks aligned to the last row (Q loaded and O stored from a shifted row)."""
+    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h, causal=causal)
     ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", variant)
     compiled = compile_object(ks)
     nm = shutil.which("nm")
@@ -560,9 +572,19 @@ int main() {
   int const orders[][3] = {{16, 8, 2048}, {16, 4, 1000}};
   for (auto const& o : orders) {
     auto ps = cute::make_tuple(o[0], o[1], o[2], o[2], 64);
-    auto p = hp::ChunkedSerpentineScheduler::to_underlying_arguments(ps, hw, Cluster{}, T192{});
+    auto p = hp::ChunkedSerpentineScheduler<>::to_underlying_arguments(ps, hw, Cluster{}, T192{});
     std::printf("chunk %d %d\n", p.num_blocks, p.chunk);
   }
+  // the same with the query blocks aligned to the last row (ShiftRows): 64 and 128 rows before
+  // row 0 (152 empty rows, in whole warpgroup tiles), none where the rows fill their blocks
+  for (auto const& o : orders) {
+    auto ps = cute::make_tuple(o[0], o[1], o[2], o[2], 64);
+    using Shifted = hp::ChunkedSerpentineScheduler<192>;
+    auto p = Shifted::to_underlying_arguments(ps, hw, Cluster{}, T192{});
+    std::printf("shifted %d %d %d\n", hp::row_shift<192>(o[2]), p.num_blocks, p.chunk);
+  }
+  std::printf("shift %d %d %d\n", hp::row_shift<192>(192), hp::row_shift<192>(1),
+              hp::row_shift<0>(1000));
 }
 """
 
@@ -587,6 +609,7 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
     assert out[3:5] == ["chunk 1408 32", "chunk 384 0"]
+    assert out[5:8] == ["shifted 64 1408 32", "shifted 128 384 0", "shift 0 128 0"], out
 
 
 @pytest.mark.nvcc

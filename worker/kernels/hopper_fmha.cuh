@@ -62,16 +62,37 @@ enum class CausalMode : int { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
 // first); both the causal band and the ragged last key tile satisfy that.
 // Row q may attend to key k iff k < Sk and (not causal or k <= q + offset), where offset is 0
 // for top-left and Sk - Sq for bottom-right alignment.
-template <CausalMode kMode>
+//
+// kShiftBlock > 0 (the `ShiftRows` option; causal masks, CTA tiles of kShiftBlock rows): the
+// query blocks end at most 63 rows after row Sq instead of starting at row 0, i.e. block m holds
+// rows [m B - s, (m + 1) B - s) with s = row_shift(Sq), (-Sq) mod B rounded down to whole
+// warpgroup tiles of 64 rows. The kernel's row coordinates (blocks, the mask's row index) stay
+// "virtual" (v = q + s); only Q's load and O's store move, by s / 64 tiles, and the mask sees
+// offset - s. A warpgroup tile before row 0 only drains its K/V and stores nothing. Why: a ragged last block is the heaviest one under a causal
+// mask (it sees every key), the first the lightest; shifted, the rows the ragged block wastes
+// are the first block's, which sees one key tile. With 192-row tiles over 128-key tiles that is
+// 96 instead of 101 key-tile steps per head at 2048 rows, 36 instead of 41 at 1024.
+// (`row_shift` itself is in hopper_kernel_ws.cuh, whose epilogue needs it first.)
+
+template <CausalMode kMode, int kShiftBlock = 0>
 struct StackfuseMask : cutlass::fmha::collective::DefaultFusion {
   static constexpr bool kCausal = kMode != CausalMode::kNone;
+  static_assert(kShiftBlock == 0 || kCausal, "shifted query blocks only pay under a causal mask");
+  static constexpr int kRowShiftBlock = kShiftBlock;
 
+  // rows before row 0 in the first query block (0 unless kShiftBlock > 0)
+  template <class ProblemSize>
+  CUTLASS_HOST_DEVICE static int row_shift(ProblemSize const& ps) {
+    return stackfuse::hopper::row_shift<kShiftBlock>(int(cute::get<2>(ps)));
+  }
+
+  // of the kernel's (virtual) row index
   template <class ProblemSize>
   CUTLASS_DEVICE static int offset(ProblemSize const& ps) {
     if constexpr (kMode == CausalMode::kBottomRight) {
-      return cute::get<3>(ps) - cute::get<2>(ps);
+      return cute::get<3>(ps) - cute::get<2>(ps) - row_shift(ps);
     } else {
-      return 0;
+      return -row_shift(ps);
     }
   }
 
@@ -231,6 +252,8 @@ struct SerpentineScheduler {
 // order at other shapes; so the host simulates the serpentine for each K that keeps a chunk's
 // K/V under kChunkBytes and takes the best, K = 0 (the plain order) included. The rounds, grid
 // and tile index are the serpentine's own (inherited); only the tile's coordinates differ.
+// kShiftBlock: the mask's (StackfuseMask), for the cost model's rows per block.
+template <int kShiftBlock = 0>
 struct ChunkedSerpentineScheduler : SerpentineScheduler {
   struct Params : SerpentineScheduler::Params {
     int blocks_q;
@@ -263,8 +286,10 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   static double imbalance(int k, int blocks_q, int heads, int grid, int rows_q, int block_q,
                           int block_kv, int seq_k) {
     int const kv_tiles = (seq_k + block_kv - 1) / block_kv;
+    int const shift = row_shift<kShiftBlock>(rows_q);  // block m's last row: (m + 1) B - 1 - s
     auto cost = [&](int m) {
-      int last = (m + 1) * block_q < rows_q ? (m + 1) * block_q - 1 : rows_q - 1;
+      int const end = (m + 1) * block_q - shift;
+      int last = end < rows_q ? end - 1 : rows_q - 1;
       int t = last / block_kv + 1;
       return (t < kv_tiles ? t : kv_tiles) + 1.5;
     };
@@ -386,6 +411,16 @@ struct ChunkedOrder {
 template <class... Options>
 inline constexpr bool kChunked = (std::is_same_v<Options, ChunkedOrder> || ...);
 
+// Option tag (warp-specialized kernels with our epilogue): under a causal mask the query blocks
+// end at the last row instead of starting at row 0 (see StackfuseMask's kShiftBlock)
+struct ShiftRows {
+  static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1008);  // not CUTLASS's
+  using option_value = cute::true_type;
+};
+
+template <class... Options>
+inline constexpr bool kShiftRows = (std::is_same_v<Options, ShiftRows> || ...);
+
 // Tile order. The example's problem shape is (B, H, Sq, Sk, D) and its schedulers walk query
 // blocks, then mode 0, then mode 1. We put the heads in mode 0 ("heads first"): CTAs that run
 // together then read neighbouring columns of the same rows of the stacked tensor (one row holds
@@ -405,8 +440,25 @@ inline constexpr bool kHeadsFirst = !(std::is_same_v<Options, BatchMajor> || ...
 // head kv: this mainloop hands the base mainloop the head mode as (G, Nkv), with Q strides
 // (H, G H) and K/V strides (_0, H). A static zero stride drops out of the TMA descriptor (CuTe
 // filters it), so K/V tiles are the same TMA boxes as without groups; nothing is copied.
-template <class Base, bool kHeadsMode0>
+//
+// With a `ShiftRows` fusion (Fusion::kRowShiftBlock > 0) the loads are the example's with Q's
+// tiles moved back by row_shift (q_tiles).
+template <class Base, bool kHeadsMode0, class Fusion>
 struct GroupedMainloop : Base {
+  static constexpr bool kShifted = Fusion::kRowShiftBlock > 0;
+  using typename Base::LoadK;
+  using typename Base::LoadQ;
+  using typename Base::LoadV;
+  using typename Base::MainloopPipeline;
+  using typename Base::MainloopPipelineQ;
+  using typename Base::PipelineState;
+  using typename Base::PipelineStateQ;
+  using typename Base::SharedStorage;
+  using typename Base::SmemLayoutQ;
+  using typename Base::TileShape;
+  using typename Base::TileShapePV;
+  using typename Base::TileShapeQK;
+
   struct Arguments : Base::Arguments {
     int groups;
     int kv_heads;
@@ -440,16 +492,143 @@ struct GroupedMainloop : Base {
   CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk_coord,
                                       Params const& params, ProblemShape const& ps,
                                       Rest&&... rest) {
-    Base::template load_kv_maybe_q<kLoadQ>(block_rank_in_cluster, blk_coord, params,
-                                           grouped(ps, params.groups, params.kv_heads),
-                                           std::forward<Rest>(rest)...);
+    if constexpr (kShifted) {
+      shifted_load_kv_maybe_q<kLoadQ>(blk_coord, params,
+                                      grouped(ps, params.groups, params.kv_heads),
+                                      std::forward<Rest>(rest)...);
+    } else {
+      Base::template load_kv_maybe_q<kLoadQ>(block_rank_in_cluster, blk_coord, params,
+                                             grouped(ps, params.groups, params.kv_heads),
+                                             std::forward<Rest>(rest)...);
+    }
   }
 
   template <class BlkCoord, class ProblemShape, class... Rest>
   CUTLASS_DEVICE void load_maybe_q(BlkCoord const& blk_coord, Params const& params,
                                    ProblemShape const& ps, Rest&&... rest) {
-    Base::load_maybe_q(blk_coord, params, grouped(ps, params.groups, params.kv_heads),
-                       std::forward<Rest>(rest)...);
+    if constexpr (kShifted) {
+      shifted_load_maybe_q(blk_coord, params, grouped(ps, params.groups, params.kv_heads),
+                           std::forward<Rest>(rest)...);
+    } else {
+      Base::load_maybe_q(blk_coord, params, grouped(ps, params.groups, params.kv_heads),
+                         std::forward<Rest>(rest)...);
+    }
+  }
+
+ private:
+  // The head's Q tiles of 64 rows (one per consumer warpgroup and block), as the example's
+  // LoadQ::init_state makes them but from the head's row 0; the CTA's are `q_tiles` on
+  static_assert(!kShifted || cute::size<0>(TileShapeQK{}) == kShiftGranule,
+                "row_shift moves rows in whole warpgroup tiles");
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE static auto head_q_state(BlkCoord const& blk_coord, Params const& params,
+                                          ProblemShape const& ps, SharedStorage& storage) {
+    using namespace cute;
+    using X = Underscore;
+    Tensor mQ = params.tma_load_q.get_tma_tensor(
+        make_shape(get<2>(ps), get<4>(ps), select<0, 1>(ps)));
+    Tensor gQ_full = local_tile(mQ, TileShapeQK{}, make_coord(_, _, _), Step<_1, X, _1>{});
+    Tensor gQ = gQ_full(_, _, _, _0{}, get<2>(blk_coord));
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    auto block_tma = params.tma_load_q.get_slice(_0{});
+    return make_tuple(block_tma.partition_S(gQ), block_tma.partition_D(sQ));
+  }
+
+  // The CTA's Q tiles, from its first warpgroup tile moved back by row_shift: a tile wholly
+  // before row 0 (its warpgroup only drains K/V) loads tile 0 instead, so that no TMA copy has a
+  // negative coordinate (a TMA store with one raised an illegal instruction on the H200, run
+  // 107; loads are kept to the same rule)
+  struct QTiles {
+    int tile;
+    CUTLASS_DEVICE int operator*() const { return tile > 0 ? tile : 0; }
+    CUTLASS_DEVICE QTiles& operator++() {
+      ++tile;
+      return *this;
+    }
+  };
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE static QTiles q_tiles(BlkCoord const& blk_coord, ProblemShape const& ps) {
+    return QTiles{Base::NumMmaWarpGroups * int(cute::get<0>(blk_coord)) -
+                  Fusion::row_shift(ps) / kShiftGranule};
+  }
+
+  // The example's load_kv_maybe_q (CUTLASS 4.2, BSD-3-Clause, Copyright (c) 2024 - 2025 NVIDIA
+  // CORPORATION & AFFILIATES) with Q from head_q_state and q_tiles; no cluster (its kernels have none)
+  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void shifted_load_kv_maybe_q(
+      BlkCoord const& blk_coord, Params const& params, ProblemShape const& ps,
+      MainloopPipeline& pipeline, PipelineState& smem_pipe_write, MainloopPipelineQ& pipeline_q,
+      PipelineStateQ& smem_pipe_write_q, SharedStorage& storage,
+      LoadWarpBarrier& load_warp_barrier, bool do_barrier) {
+    using namespace cute;
+    int const fusion_tile_count = Fusion{}.get_trip_count(blk_coord, TileShape{}, ps);
+    int const lane_predicate = cute::elect_one_sync();
+
+    auto q_tile_iter = q_tiles(blk_coord, ps);
+    [[maybe_unused]] int q_tile_count = Base::NumMmaWarpGroups;
+    auto k_tile_iter = cute::make_coord_iterator(fusion_tile_count);
+    int k_tile_count = 2 * fusion_tile_count;
+
+    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+    auto load_state_q = head_q_state(blk_coord, params, ps, storage);
+    LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
+    auto load_state_k = load_k.init_state(_0{}, ps, TileShapeQK{}, blk_coord, fusion_tile_count);
+    LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
+    auto load_state_v = load_v.init_state(_0{}, ps, TileShapePV{}, blk_coord, fusion_tile_count);
+
+    if constexpr (kLoadQ) {
+      load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, q_tile_count);
+    }
+    load_k.template step<false>(k_tile_iter, load_state_k, smem_pipe_write, lane_predicate,
+                                k_tile_count);
+    if constexpr (kLoadQ) {
+      load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, q_tile_count);
+    }
+    if constexpr (!kLoadQ) {
+      if (do_barrier) {
+        load_warp_barrier.arrive();
+        load_warp_barrier.wait(/*phase=*/0);
+      }
+    }
+    load_v.template step<true>(k_tile_iter, load_state_v, smem_pipe_write, lane_predicate,
+                               k_tile_count);
+    if constexpr (kLoadQ) {
+      while (q_tile_count > 0) {
+        load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, q_tile_count);
+      }
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (k_tile_count > 0) {
+      load_k.template step<false>(k_tile_iter, load_state_k, smem_pipe_write, lane_predicate,
+                                  k_tile_count);
+      load_v.template step<true>(k_tile_iter, load_state_v, smem_pipe_write, lane_predicate,
+                                 k_tile_count);
+    }
+  }
+
+  // The example's load_maybe_q (the persistent kernels' Q warp) with Q from head_q_state and
+  // q_tiles
+  template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void shifted_load_maybe_q(BlkCoord const& blk_coord, Params const& params,
+                                           ProblemShape const& ps,
+                                           MainloopPipelineQ& pipeline_q,
+                                           PipelineStateQ& smem_pipe_write_q,
+                                           SharedStorage& storage,
+                                           LoadWarpBarrier& load_warp_barrier, bool do_barrier) {
+    int const lane_predicate = cute::elect_one_sync();
+    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
+    auto load_state_q = head_q_state(blk_coord, params, ps, storage);
+    auto q_tile_iter = q_tiles(blk_coord, ps);
+    CUTLASS_PRAGMA_UNROLL
+    for (int q_tile_count = 0; q_tile_count < Base::NumMmaWarpGroups; q_tile_count++) {
+      int count = 1;
+      load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, count);
+      if (q_tile_count == 0 && do_barrier) {
+        load_warp_barrier.arrive();
+        load_warp_barrier.wait(/*phase=*/0);
+        do_barrier = false;
+      }
+    }
   }
 };
 
@@ -513,9 +692,9 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
                        Element, float, float, TileShape, GroupedStrideQ<kHeads0>,
                        GroupedStrideKV<kHeads0>, GroupedStrideKV<kHeads0>, Fusion, Options...>,
                    Fusion, Options...>,
-      kHeads0>;
-  using Epilogue =
-      WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV, Options...>;
+      kHeads0, Fusion>;
+  using Epilogue = WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV,
+                                           Fusion::kRowShiftBlock, Options...>;
   using Scheduler = std::conditional_t<kCausal, HeavyFirstScheduler,
                                        cutlass::fmha::kernel::IndividualTileScheduler>;
   using Kernel = WarpSpecializedKernel<Mainloop, Epilogue, Scheduler, Options...>;
@@ -538,12 +717,13 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
                        GroupedStrideKV<kHeads0>, GroupedStrideKV<kHeads0>, Fusion, Options...,
                        Persistent, QSeparately>,
                    Fusion, Options...>,
-      kHeads0>;
-  using Epilogue =
-      WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV, Options...>;
+      kHeads0, Fusion>;
+  using Epilogue = WarpSpecializedEpilogue<Element, typename Mainloop::TileShapePV,
+                                           Fusion::kRowShiftBlock, Options...>;
   using Scheduler = std::conditional_t<
       kCausal,
-      std::conditional_t<kChunked<Options...>, ChunkedSerpentineScheduler, SerpentineScheduler>,
+      std::conditional_t<kChunked<Options...>,
+                         ChunkedSerpentineScheduler<Fusion::kRowShiftBlock>, SerpentineScheduler>,
       BalancedPersistentScheduler>;
   using Kernel = WarpSpecializedKernel<Mainloop, Epilogue, Scheduler, Options..., Persistent,
                                        QSeparately>;
@@ -566,8 +746,11 @@ template <class Element_, int kBlockQ, int kBlockKV, int kHeadDim, class Schedul
 struct Config {
   using Element = Element_;
   using TileShape = cute::Shape<cute::Int<kBlockQ>, cute::Int<kBlockKV>, cute::Int<kHeadDim>>;
-  using Composed = detail::Compose<Element_, TileShape, StackfuseMask<kMode>, Schedule,
-                                   kMode != CausalMode::kNone, Options...>;
+  // the ShiftRows option: query blocks aligned to the end of the rows (StackfuseMask)
+  static constexpr int kShiftBlock =
+      (kShiftRows<Options...> && kMode != CausalMode::kNone) ? kBlockQ : 0;
+  using Composed = detail::Compose<Element_, TileShape, StackfuseMask<kMode, kShiftBlock>,
+                                   Schedule, kMode != CausalMode::kNone, Options...>;
   using Kernel = typename Composed::Kernel;
   using ScheduleTag = Schedule;
   static constexpr int kRowsPerCta = kBlockQ;

@@ -124,11 +124,31 @@ struct EpilogueInQ {
 template <class... Options>
 inline constexpr bool kEpilogueInQ = (std::is_same_v<Options, EpilogueInQ> || ...);
 
+// Rows of a consumer warpgroup's tile: the unit in which `row_shift` moves query blocks
+inline constexpr int kShiftGranule = 64;
+
+// Rows before row 0 in the first query block when blocks of kBlock rows end within a warpgroup
+// tile of row seq_q (the `ShiftRows` option, StackfuseMask in hopper_fmha.cuh): the rows the
+// last block would leave empty, in whole warpgroup tiles; kBlock 0: blocks start at row 0
+template <int kBlock>
+CUTLASS_HOST_DEVICE int row_shift(int seq_q) {
+  if constexpr (kBlock > 0) {
+    int const empty = (kBlock - seq_q % kBlock) % kBlock;
+    return empty / kShiftGranule * kShiftGranule;
+  } else {
+    return 0;
+  }
+}
+
 // A consumer warpgroup's epilogue: LSE as the example's (`FmhaFwdEpilogue`), O in one TMA store.
-template <class Element, class ElementAccumulator, class TileShapePV, bool kInQ = false>
+// kShiftBlock > 0: the mask's `ShiftRows` (hopper_fmha.cuh, StackfuseMask): the warpgroup's rows
+// start row_shift(Sq) rows earlier; those before row 0 are not stored.
+template <class Element, class ElementAccumulator, class TileShapePV, bool kInQ = false,
+          int kShiftBlock = 0>
 struct OwnEpilogue {
   static constexpr int kM = cute::get<0>(TileShapePV{});  // rows of a warpgroup
   static constexpr int kD = cute::get<1>(TileShapePV{});  // head dim (the tile's)
+  static_assert(kShiftBlock == 0 || kM == kShiftGranule, "row_shift moves whole tiles");
   using StrideO = cute::tuple<int, cute::_1, cute::tuple<int, int>>;
   using StrideLSE = cute::tuple<cute::_1, cute::tuple<int, int>>;
   static constexpr int kRowBytes = kD * int(sizeof(Element));
@@ -215,6 +235,8 @@ struct OwnEpilogue {
         make_stride(_1{}, _0{}, get<1>(params.dLSE)));
     Tensor gLSE_full = local_tile(mLSE, tile_shape, make_coord(_, _, _), Step<_1, _1, X>{});
     Tensor gLSE = gLSE_full(_, _, get<0>(blk_coord), get<1>(blk_coord), get<2>(blk_coord));
+    int const shift = row_shift<kShiftBlock>(seqlen_q);
+    if constexpr (kShiftBlock > 0) gLSE.data() = gLSE.data() + (-shift);
     Tensor tOgLSE = thr_mma.partition_C(gLSE);
     Tensor cO = make_identity_tensor(take<0, 2>(tile_shape));
     Tensor tOcO = thr_mma.partition_C(cO);
@@ -224,7 +246,8 @@ struct OwnEpilogue {
       auto tOcO_mn = make_tensor(tOcO.data(), layout_acc_mn(tiled_mma, tOcO.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size<0>(tOgLSE_mn); i++) {
-        if (get<0>(tOcO_mn(i)) + get<0>(blk_coord) * get<0>(tile_shape) < seqlen_q) {
+        int const row = get<0>(tOcO_mn(i)) + get<0>(blk_coord) * get<0>(tile_shape) - shift;
+        if (row < seqlen_q && (kShiftBlock == 0 || row >= 0)) {
           tOgLSE_mn(i, _0{}) = lse(i);
         }
       }
@@ -257,11 +280,15 @@ struct OwnEpilogue {
     cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, barrier);
     if (leader) {
       Tensor mO = params.tma_store_o.get_tma_tensor(shape_o(problem_size));
-      Tensor gO = local_tile(mO(_, _, get<2>(blk_coord)), TileO{},
-                             make_coord(get<0>(blk_coord), _0{}));
+      // shifted rows: the warpgroup's tile moves back by whole tiles; one wholly before row 0
+      // stores nothing (a TMA store with a negative coordinate is an illegal instruction)
+      int const tile = int(get<0>(blk_coord)) - shift / kShiftGranule;
+      Tensor gO = local_tile(mO(_, _, get<2>(blk_coord)), TileO{}, make_coord(tile, _0{}));
       auto cta_tma = params.tma_store_o.get_slice(_0{});
-      copy(params.tma_store_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
-      tma_store_arrive();
+      if (kShiftBlock == 0 || tile >= 0) {
+        copy(params.tma_store_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
+        tma_store_arrive();
+      }
     }
   }
 };
@@ -270,18 +297,26 @@ struct OwnEpilogue {
 // flight; the example's epilogue waits for its own.
 template <class Epilogue>
 CUTLASS_DEVICE void finish_stores(Epilogue const*) {}
-template <class Element, class ElementAccumulator, class TileShapePV, bool kInQ>
+template <class Element, class ElementAccumulator, class TileShapePV, bool kInQ, int kShiftBlock>
 CUTLASS_DEVICE void finish_stores(
-    OwnEpilogue<Element, ElementAccumulator, TileShapePV, kInQ> const*) {
+    OwnEpilogue<Element, ElementAccumulator, TileShapePV, kInQ, kShiftBlock> const*) {
   cute::tma_store_wait<0>();
 }
 
-// The warp-specialized kernels' epilogue: ours, or the example's (ExampleEpilogue)
-template <class Element, class TileShapePV, class... Options>
+// The warp-specialized kernels' epilogue: ours, or the example's (ExampleEpilogue), which cannot
+// store shifted rows (kShiftBlock > 0)
+template <class Element, class TileShapePV, int kShiftBlock, class... Options>
+struct WarpSpecializedEpilogueOf {
+  static_assert(kShiftBlock == 0 || !kExampleEpilogue<Options...>,
+                "ShiftRows needs our epilogue, not the example's");
+  using type = std::conditional_t<
+      kExampleEpilogue<Options...>,
+      cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, TileShapePV>,
+      OwnEpilogue<Element, float, TileShapePV, kEpilogueInQ<Options...>, kShiftBlock>>;
+};
+template <class Element, class TileShapePV, int kShiftBlock, class... Options>
 using WarpSpecializedEpilogue =
-    std::conditional_t<kExampleEpilogue<Options...>,
-                       cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, TileShapePV>,
-                       OwnEpilogue<Element, float, TileShapePV, kEpilogueInQ<Options...>>>;
+    typename WarpSpecializedEpilogueOf<Element, TileShapePV, kShiftBlock, Options...>::type;
 
 template <class CollectiveMainloop, class CollectiveEpilogue, class TileScheduler,
           class... Options>

@@ -204,7 +204,13 @@ struct OverlapMainloop : Base {
     int total = unmasked + Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size);
     int const cta_total = total;
     if constexpr (kWarpgroupTrips) {
-      bool const has_rows = get<0>(wg_coord) * get<0>(TileShapeQK{}) < get<2>(problem_size);
+      // (with ShiftRows the warpgroup's rows start row_shift earlier: a first block's may all
+      // lie before row 0)
+      int const wg_row =
+          get<0>(wg_coord) * get<0>(TileShapeQK{}) - Fusion::row_shift(problem_size);
+      bool const has_rows =
+          wg_row < get<2>(problem_size) &&
+          (Fusion::kRowShiftBlock == 0 || wg_row + get<0>(TileShapeQK{}) > 0);
       total = has_rows ? Fusion{}.get_trip_count(wg_coord, TileShapeQK{}, problem_size) : 0;
       unmasked = Fusion{}.get_unmasked_trip_count(wg_coord, TileShapeQK{}, problem_size);
       unmasked = unmasked < total ? unmasked : total;
