@@ -257,13 +257,6 @@ VARIANTS: dict[str, Variant] = {
             128,
             (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY, *_SHIFT_ROWS),
         ),
-        Variant(
-            "overlap3klo_192x128",
-            _PING,
-            192,
-            128,
-            (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY),
-        ),
         # the same mainloop in the cooperative kernel, with O rescaled lazily, for head dim 256
         # (no ping-pong fits there; O is 128 floats per thread, rescaled per 64-key tile)
         Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
@@ -301,7 +294,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "overlap3_192x128",
         "overlap3kl_192x128",
         "overlap3kls_192x128",
-        "overlap3klo_192x128",
         "overlap3k_192x128",
         "pingpong3_192x128",
         "coop3_192x128",
