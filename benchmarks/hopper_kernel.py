@@ -589,6 +589,21 @@ CAUSAL64_SHAPES = [
     ("b8_s2048_n16_h64_causal_bf16", 8, 2048, 16, 16, 64, True, "bfloat16"),
 ]
 
+#: long causal launches at head dim 64 of 3-8 waves of 128-row tiles (``run --shapes
+#: causal64w``): where the 192-row kernel starts to beat the 128-row ones (session 17)
+CAUSAL64W_SHAPES = [
+    ("b3_s1024_n16_h64_causal", 3, 1024, 16, 16, 64, True, "float16"),  # 2.9 waves
+    ("b4_s768_n16_h64_causal", 4, 768, 16, 16, 64, True, "float16"),  # 2.9
+    ("b4_s1024_n16_h64_causal", 4, 1024, 16, 16, 64, True, "float16"),  # 3.9
+    ("b8_s512_n16_h64_causal", 8, 512, 16, 16, 64, True, "float16"),  # 3.9
+    ("b2_s2048_n16_h64_causal", 2, 2048, 16, 16, 64, True, "float16"),  # 3.9
+    ("b1_s4096_n16_h64_causal", 1, 4096, 16, 16, 64, True, "float16"),  # 3.9
+    ("b5_s1024_n16_h64_causal", 5, 1024, 16, 16, 64, True, "float16"),  # 4.8
+    ("b6_s1024_n16_h64_causal", 6, 1024, 16, 16, 64, True, "float16"),  # 5.8
+    ("b3_s2048_n16_h64_causal", 3, 2048, 16, 16, 64, True, "float16"),  # 5.8
+    ("b8_s1024_n16_h64_causal", 8, 1024, 16, 16, 64, True, "float16"),  # 7.8
+]
+
 #: every shape of every set, by name (the probes' --shape choices)
 ALL_SHAPES = {
     s[0]: s
@@ -599,14 +614,15 @@ ALL_SHAPES = {
         *H128_SHAPES,
         *H256_SHAPES,
         *CAUSAL64_SHAPES,
+        *CAUSAL64W_SHAPES,
     )
 }
 
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
     """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_ /
-    CAUSAL64_SHAPES when HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 / long128 / causal64
-    (set by ``run --shapes``; the worker processes inherit it)."""
+    CAUSAL64_ / CAUSAL64W_SHAPES when HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 /
+    long128 / causal64 / causal64w (set by ``run --shapes``; the worker processes inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
     table = {
         "sweep": SWEEP_SHAPES,
@@ -615,6 +631,7 @@ def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
         "h256": H256_SHAPES,
         "long128": LONG128_SHAPES,
         "causal64": CAUSAL64_SHAPES,
+        "causal64w": CAUSAL64W_SHAPES,
     }
     return table.get(chosen or "", BENCH_SHAPES)
 
@@ -1466,9 +1483,9 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=["main", "sweep", "short", "h128", "h256", "long128", "causal64"],
+        choices=["main", "sweep", "short", "h128", "h256", "long128", "causal64", "causal64w"],
         default="main",
-        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_ or CAUSAL64_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_ or CAUSAL64W_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)
