@@ -441,22 +441,16 @@ inline constexpr bool kHeadsFirst = !(std::is_same_v<Options, BatchMajor> || ...
 // (H, G H) and K/V strides (_0, H). A static zero stride drops out of the TMA descriptor (CuTe
 // filters it), so K/V tiles are the same TMA boxes as without groups; nothing is copied.
 //
-// With a `ShiftRows` fusion (Fusion::kRowShiftBlock > 0) the loads are the example's with Q's
-// tiles moved back by row_shift (q_tiles).
+// With a `ShiftRows` fusion (Fusion::kRowShiftBlock > 0, persistent kernels whose Q warp loads
+// Q) the Q warp's tiles move back by row_shift (q_tiles); K/V follow the Fusion's trip counts.
 template <class Base, bool kHeadsMode0, class Fusion>
 struct GroupedMainloop : Base {
   static constexpr bool kShifted = Fusion::kRowShiftBlock > 0;
-  using typename Base::LoadK;
   using typename Base::LoadQ;
-  using typename Base::LoadV;
-  using typename Base::MainloopPipeline;
   using typename Base::MainloopPipelineQ;
-  using typename Base::PipelineState;
   using typename Base::PipelineStateQ;
   using typename Base::SharedStorage;
   using typename Base::SmemLayoutQ;
-  using typename Base::TileShape;
-  using typename Base::TileShapePV;
   using typename Base::TileShapeQK;
 
   struct Arguments : Base::Arguments {
@@ -492,15 +486,11 @@ struct GroupedMainloop : Base {
   CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk_coord,
                                       Params const& params, ProblemShape const& ps,
                                       Rest&&... rest) {
-    if constexpr (kShifted) {
-      shifted_load_kv_maybe_q<kLoadQ>(blk_coord, params,
-                                      grouped(ps, params.groups, params.kv_heads),
-                                      std::forward<Rest>(rest)...);
-    } else {
-      Base::template load_kv_maybe_q<kLoadQ>(block_rank_in_cluster, blk_coord, params,
-                                             grouped(ps, params.groups, params.kv_heads),
-                                             std::forward<Rest>(rest)...);
-    }
+    // shifted: Q comes from its own warp (load_maybe_q); K/V need only the shifted Fusion
+    static_assert(!(kShifted && kLoadQ), "ShiftRows needs Q loaded by its own warp");
+    Base::template load_kv_maybe_q<kLoadQ>(block_rank_in_cluster, blk_coord, params,
+                                           grouped(ps, params.groups, params.kv_heads),
+                                           std::forward<Rest>(rest)...);
   }
 
   template <class BlkCoord, class ProblemShape, class... Rest>
@@ -552,62 +542,8 @@ struct GroupedMainloop : Base {
                   Fusion::row_shift(ps) / kShiftGranule};
   }
 
-  // The example's load_kv_maybe_q (CUTLASS 4.2, BSD-3-Clause, Copyright (c) 2024 - 2025 NVIDIA
-  // CORPORATION & AFFILIATES) with Q from head_q_state and q_tiles; no cluster (its kernels
-  // have none)
-  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
-  CUTLASS_DEVICE void shifted_load_kv_maybe_q(
-      BlkCoord const& blk_coord, Params const& params, ProblemShape const& ps,
-      MainloopPipeline& pipeline, PipelineState& smem_pipe_write, MainloopPipelineQ& pipeline_q,
-      PipelineStateQ& smem_pipe_write_q, SharedStorage& storage,
-      LoadWarpBarrier& load_warp_barrier, bool do_barrier) {
-    using namespace cute;
-    int const fusion_tile_count = Fusion{}.get_trip_count(blk_coord, TileShape{}, ps);
-    int const lane_predicate = cute::elect_one_sync();
-
-    auto q_tile_iter = q_tiles(blk_coord, ps);
-    [[maybe_unused]] int q_tile_count = Base::NumMmaWarpGroups;
-    auto k_tile_iter = cute::make_coord_iterator(fusion_tile_count);
-    int k_tile_count = 2 * fusion_tile_count;
-
-    LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
-    auto load_state_q = head_q_state(blk_coord, params, ps, storage);
-    LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
-    auto load_state_k = load_k.init_state(_0{}, ps, TileShapeQK{}, blk_coord, fusion_tile_count);
-    LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
-    auto load_state_v = load_v.init_state(_0{}, ps, TileShapePV{}, blk_coord, fusion_tile_count);
-
-    if constexpr (kLoadQ) {
-      load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, q_tile_count);
-    }
-    load_k.template step<false>(k_tile_iter, load_state_k, smem_pipe_write, lane_predicate,
-                                k_tile_count);
-    if constexpr (kLoadQ) {
-      load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, q_tile_count);
-    }
-    if constexpr (!kLoadQ) {
-      if (do_barrier) {
-        load_warp_barrier.arrive();
-        load_warp_barrier.wait(/*phase=*/0);
-      }
-    }
-    load_v.template step<true>(k_tile_iter, load_state_v, smem_pipe_write, lane_predicate,
-                               k_tile_count);
-    if constexpr (kLoadQ) {
-      while (q_tile_count > 0) {
-        load_q.step(q_tile_iter, load_state_q, smem_pipe_write_q, lane_predicate, q_tile_count);
-      }
-    }
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (k_tile_count > 0) {
-      load_k.template step<false>(k_tile_iter, load_state_k, smem_pipe_write, lane_predicate,
-                                  k_tile_count);
-      load_v.template step<true>(k_tile_iter, load_state_v, smem_pipe_write, lane_predicate,
-                                 k_tile_count);
-    }
-  }
-
-  // The example's load_maybe_q (the persistent kernels' Q warp) with Q from head_q_state and
+  // The example's load_maybe_q (the persistent kernels' Q warp; CUTLASS 4.2, BSD-3-Clause,
+  // Copyright (c) 2024 - 2025 NVIDIA CORPORATION & AFFILIATES) with Q from head_q_state and
   // q_tiles
   template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
   CUTLASS_DEVICE void shifted_load_maybe_q(BlkCoord const& blk_coord, Params const& params,
