@@ -450,7 +450,6 @@ struct GroupedMainloop : Base {
   using typename Base::MainloopPipelineQ;
   using typename Base::PipelineStateQ;
   using typename Base::SharedStorage;
-  using typename Base::SmemLayoutQ;
   using typename Base::TileShapeQK;
 
   struct Arguments : Base::Arguments {
@@ -506,23 +505,8 @@ struct GroupedMainloop : Base {
   }
 
  private:
-  // The head's Q tiles of 64 rows (one per consumer warpgroup and block), as the example's
-  // LoadQ::init_state makes them but from the head's row 0; the CTA's are `q_tiles` on
   static_assert(!kShifted || cute::size<0>(TileShapeQK{}) == kShiftGranule,
                 "row_shift moves rows in whole warpgroup tiles");
-  template <class BlkCoord, class ProblemShape>
-  CUTLASS_DEVICE static auto head_q_state(BlkCoord const& blk_coord, Params const& params,
-                                          ProblemShape const& ps, SharedStorage& storage) {
-    using namespace cute;
-    using X = Underscore;
-    Tensor mQ = params.tma_load_q.get_tma_tensor(
-        make_shape(get<2>(ps), get<4>(ps), select<0, 1>(ps)));
-    Tensor gQ_full = local_tile(mQ, TileShapeQK{}, make_coord(_, _, _), Step<_1, X, _1>{});
-    Tensor gQ = gQ_full(_, _, _, _0{}, get<2>(blk_coord));
-    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
-    auto block_tma = params.tma_load_q.get_slice(_0{});
-    return make_tuple(block_tma.partition_S(gQ), block_tma.partition_D(sQ));
-  }
 
   // The CTA's Q tiles, from its first warpgroup tile moved back by row_shift: a tile wholly
   // before row 0 (its warpgroup only drains K/V) loads tile 0 instead, so that no TMA copy has a
@@ -543,8 +527,7 @@ struct GroupedMainloop : Base {
   }
 
   // The example's load_maybe_q (the persistent kernels' Q warp; CUTLASS 4.2, BSD-3-Clause,
-  // Copyright (c) 2024 - 2025 NVIDIA CORPORATION & AFFILIATES) with Q from head_q_state and
-  // q_tiles
+  // Copyright (c) 2024 - 2025 NVIDIA CORPORATION & AFFILIATES) with Q's tiles from q_tiles
   template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
   CUTLASS_DEVICE void shifted_load_maybe_q(BlkCoord const& blk_coord, Params const& params,
                                            ProblemShape const& ps,
@@ -554,7 +537,8 @@ struct GroupedMainloop : Base {
                                            LoadWarpBarrier& load_warp_barrier, bool do_barrier) {
     int const lane_predicate = cute::elect_one_sync();
     LoadQ load_q{params.tma_load_q, pipeline_q, storage.smem_q};
-    auto load_state_q = head_q_state(blk_coord, params, ps, storage);
+    // the head's Q tiles from row 0 (the example's, with no block offset: loop count 0)
+    auto load_state_q = load_q.init_state(cute::_0{}, ps, TileShapeQK{}, blk_coord, 0);
     auto q_tile_iter = q_tiles(blk_coord, ps);
     CUTLASS_PRAGMA_UNROLL
     for (int q_tile_count = 0; q_tile_count < Base::NumMmaWarpGroups; q_tile_count++) {
