@@ -173,6 +173,15 @@ def catalog() -> list[Slot]:
     add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kl_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(b16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
+    # session 18: the causal ping-pong kernel in the chunked order, and the 192-row kernel with
+    # session 10's coarse chunk search (the A/B of the search over every chunk size)
+    add(f16, "pingpongk_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
+    add(f16, "pingpongk_128x128", "BottomRight", [], [h128, (16, 4, 128)])
+    add(f16, "pingpongk_128x128", "TopLeft@64", [(16, 16, 64)])
+    add(b16, "pingpongk_128x128", "TopLeft", [h128])
+    narrow = ("-DSTACKFUSE_NARROW_CHUNKS=1",)
+    add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], flags=narrow)
+    add(f16, "pingpongk_128x128", "TopLeft", [h128], flags=narrow)
     # session 17: the same with the query blocks aligned to the last row (ShiftRows)
     add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kls_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
@@ -604,6 +613,18 @@ CAUSAL64W_SHAPES = [
     ("b8_s1024_n16_h64_causal", 8, 1024, 16, 16, 64, True, "float16"),  # 7.8
 ]
 
+#: causal launches of a few waves and the main set's causal shapes (``run --shapes balance``):
+#: the chunked tile order's chunk sizes (session 18)
+BALANCE_SHAPES = [
+    *CAUSAL64W_SHAPES,
+    ("b1_s8192_n16_h64_causal", 1, 8192, 16, 16, 64, True, "float16"),
+    *(sh for sh in BENCH_SHAPES if sh[6]),
+    ("b1_s4096_n16_h128_causal", 1, 4096, 16, 16, 128, True, "float16"),  # 3.9 waves
+    ("b2_s2048_n16_h128_causal", 2, 2048, 16, 16, 128, True, "float16"),  # 3.9
+    ("b3_s1024_n16_h128_causal", 3, 1024, 16, 16, 128, True, "float16"),  # 2.9
+    ("b1_s4096_q32_kv8_h128_gqa_causal", 1, 4096, 32, 8, 128, True, "float16"),  # Llama-3-8B
+]
+
 #: every shape of every set, by name (the probes' --shape choices)
 ALL_SHAPES = {
     s[0]: s
@@ -615,6 +636,7 @@ ALL_SHAPES = {
         *H256_SHAPES,
         *CAUSAL64_SHAPES,
         *CAUSAL64W_SHAPES,
+        *BALANCE_SHAPES,
     )
 }
 
@@ -632,6 +654,7 @@ def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
         "long128": LONG128_SHAPES,
         "causal64": CAUSAL64_SHAPES,
         "causal64w": CAUSAL64W_SHAPES,
+        "balance": BALANCE_SHAPES,
     }
     return table.get(chosen or "", BENCH_SHAPES)
 
@@ -747,7 +770,23 @@ def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int] | tuple[i
         if slot["causal"] == "BottomRight":
             return [(2, 128, 384), (1, 200, 328), (2, 256, 256), (1, 8, 1000)]
         return [(2, 128, 384), (1, 200, 136), (2, 384, 128), (1, 256, 256)]
-    return [(2, 256, 256), (1, 200, 200), (3, 128, 128), (1, 1032, 1032), (1, 1032, 1032, "ramp")]
+    cases: list[tuple[int, int, int] | tuple[int, int, int, str]] = [
+        (2, 256, 256),
+        (1, 200, 200),
+        (3, 128, 128),
+        (1, 1032, 1032),
+        (1, 1032, 1032, "ramp"),
+    ]
+    from worker.hopper import VARIANTS
+
+    if slot["causal"] != "none" and _CHUNKED_TAG in VARIANTS[slot["variant"]].options:
+        # launches of several rounds, where the chunked order's chunk is not trivially 0
+        cases += [(2, 2048, 2048), (1, 3000, 3000)]
+    return cases
+
+
+#: the option of the causal kernels whose tile order the host chooses (ChunkedOrder)
+_CHUNKED_TAG = "stackfuse::hopper::ChunkedOrder"
 
 
 def _dtype(torch: Any, name: str) -> Any:
@@ -1483,7 +1522,17 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=["main", "sweep", "short", "h128", "h256", "long128", "causal64", "causal64w"],
+        choices=[
+            "main",
+            "sweep",
+            "short",
+            "h128",
+            "h256",
+            "long128",
+            "causal64",
+            "causal64w",
+            "balance",
+        ],
         default="main",
         help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_ or CAUSAL64W_SHAPES",
     )

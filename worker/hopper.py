@@ -219,6 +219,8 @@ VARIANTS: dict[str, Variant] = {
         Variant("coop_128x128", _COOP, 128, 128),
         Variant("pingpong_128x128", _PING, 128, 128),
         Variant("pingpongB_128x128", _PING, 128, 128, _BATCH_MAJOR),
+        # the same with causal tiles heaviest first within chunks of heads (session 18)
+        Variant("pingpongk_128x128", _PING, 128, 128, _CHUNKED),
         # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
         Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
         Variant("pingpong3_192x128", _PING, 192, 128, _THREE_MMA_WARPGROUPS),
@@ -298,6 +300,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpong3_192x128",
         "coop3_192x128",
         "pingpong_128x128",
+        "pingpongk_128x128",
         "overlap_128x128",
         "tma_64x128",
         "tmaB_64x128",
@@ -312,6 +315,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpong_128x128",
         "coop_128x128",
         "pingpongB_128x128",
+        "pingpongk_128x128",
         "tma1_64x128",
         "pingpongq_128x128",
     ),

@@ -253,7 +253,10 @@ struct SerpentineScheduler {
 // K/V under kChunkBytes and takes the best, K = 0 (the plain order) included. The rounds, grid
 // and tile index are the serpentine's own (inherited); only the tile's coordinates differ.
 // kShiftBlock: the mask's (StackfuseMask), for the cost model's rows per block.
-template <int kShiftBlock = 0>
+#ifndef STACKFUSE_NARROW_CHUNKS
+#define STACKFUSE_NARROW_CHUNKS 0  // an experiment's baseline only (hopper_kernel.py flags)
+#endif
+template <int kShiftBlock = 0, bool kNarrow = bool(STACKFUSE_NARROW_CHUNKS)>
 struct ChunkedSerpentineScheduler : SerpentineScheduler {
   struct Params : SerpentineScheduler::Params {
     int blocks_q;
@@ -262,6 +265,8 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   };
 
   static constexpr double kChunkBytes = 24.0 * 1024 * 1024;
+  // tile steps the host may simulate to try every chunk size (else the coarse list)
+  static constexpr long kSimSteps = 1L << 18;
 
   int blocks_q, heads, chunk;
 
@@ -282,32 +287,45 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     rest = c * chunk + (u - r * kc);
   }
 
-  // max / mean CTA load of the serpentine for chunk size k, a tile costing its key tiles + 1.5
-  static double imbalance(int k, int blocks_q, int heads, int grid, int rows_q, int block_q,
-                          int block_kv, int seq_k) {
-    int const kv_tiles = (seq_k + block_kv - 1) / block_kv;
-    int const shift = row_shift<kShiftBlock>(rows_q);  // block m's last row: (m + 1) B - 1 - s
-    auto cost = [&](int m) {
-      int const end = (m + 1) * block_q - shift;
-      int last = end < rows_q ? end - 1 : rows_q - 1;
-      int t = last / block_kv + 1;
-      return (t < kv_tiles ? t : kv_tiles) + 1.5;
-    };
+  struct Shape {
+    int blocks_q, heads, grid, rows_q, seq_k, head_dim, block_q, block_kv;
+    bool operator==(Shape const& o) const {
+      return blocks_q == o.blocks_q && heads == o.heads && grid == o.grid && rows_q == o.rows_q &&
+             seq_k == o.seq_k && head_dim == o.head_dim && block_q == o.block_q &&
+             block_kv == o.block_kv;
+    }
+  };
+
+  // Query block m's cost by the model: the key tiles its last row sees (its busiest
+  // warpgroup's), plus 1.5 for the tile's fixed work
+  static std::vector<double> block_costs(Shape const& s) {
+    int const kv_tiles = (s.seq_k + s.block_kv - 1) / s.block_kv;
+    int const shift = row_shift<kShiftBlock>(s.rows_q);  // block m's last row: (m + 1) B - 1 - s
+    std::vector<double> cost(s.blocks_q);
+    for (int m = 0; m < s.blocks_q; ++m) {
+      int const end = (m + 1) * s.block_q - shift;
+      int const last = end < s.rows_q ? end - 1 : s.rows_q - 1;
+      int const t = last / s.block_kv + 1;
+      cost[m] = (t < kv_tiles ? t : kv_tiles) + 1.5;
+    }
+    return cost;
+  }
+
+  // The busiest CTA's load under the serpentine for chunk size k (0: the plain order)
+  static double busiest(int k, std::vector<double> const& cost, int heads, int grid) {
+    int const blocks_q = int(cost.size());
     std::vector<double> load(grid, 0.0);
     long const n = long(blocks_q) * heads;
-    double total = 0;
     for (long t = 0; t < n; ++t) {
       long const r = t / grid, j = t - r * grid;
       int const cta = int((r & 1) ? grid - 1 - j : j);
       int m = int(t % blocks_q), rest;
       if (k != 0) chunked_tile(int(t), k, blocks_q, heads, m, rest);
-      double const w = cost(m);
-      load[cta] += w;
-      total += w;
+      load[cta] += cost[m];
     }
     double most = 0;
     for (double l : load) most = l > most ? l : most;
-    return most * grid / total;
+    return most;
   }
 
   // The serpentine's own parameters (blocks, grid), plus the chunk the host simulation picks
@@ -323,19 +341,14 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     return p;
   }
 
-  struct Shape {
-    int blocks_q, heads, grid, rows_q, seq_k, head_dim, block_q, block_kv;
-    bool operator==(Shape const& o) const {
-      return blocks_q == o.blocks_q && heads == o.heads && grid == o.grid && rows_q == o.rows_q &&
-             seq_k == o.seq_k && head_dim == o.head_dim && block_q == o.block_q &&
-             block_kv == o.block_kv;
-    }
-  };
-
-  // The chunk size for a shape: simulated on the host (20-70 us at ~1.4 k tiles), so remembered
-  // per thread for the last 8 shapes: a caller whose pointers change every call misses the
-  // launch-parameter cache but not this one. Past 64 rounds the serpentine's last, partial
-  // round costs at most 1/64 and is not simulated.
+  // The chunk size for a shape, simulated on the host and remembered per thread for the last 8
+  // shapes: a caller whose pointers change every call misses the launch-parameter cache but not
+  // this one. Past 64 rounds the serpentine's last, partial round costs at most 1/64 and is not
+  // simulated. Session 18: every K up to the heads whose K/V fit kChunkBytes, one chunk of all
+  // heads included, where that is at most kSimSteps tile steps of simulation (the coarse list
+  // 8 ... 64 plus that largest K beyond); the coarse list alone (kNarrow, session 10's, K below
+  // the heads) left launches of a few waves unbalanced (B2 S2048 N16 causal, 192-row blocks:
+  // the busiest CTA 37.5 tile steps, 30.5 with one chunk of all 32 heads)
   static int choose_chunk(Shape const& s) {
     thread_local Shape seen[8];
     thread_local int chosen[8];
@@ -344,18 +357,26 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
       if (seen[i] == s) return chosen[i];
     }
     int chunk = 0;
-    if (long(s.blocks_q) * s.heads <= 64L * s.grid) {
+    long const n = long(s.blocks_q) * s.heads;
+    if (n <= 64L * s.grid) {
       // K and V bytes of one head (fp16/bf16; GQA heads share theirs, so this overcounts)
       double const kv_bytes = 4.0 * s.seq_k * double(s.head_dim);
-      auto sim = [&](int k) {
-        return imbalance(k, s.blocks_q, s.heads, s.grid, s.rows_q, s.block_q, s.block_kv,
-                         s.seq_k);
+      std::vector<double> const cost = block_costs(s);
+      double total = 0;
+      for (double c : cost) total += c;
+      double const mean = total * s.heads / s.grid;
+      double best = busiest(0, cost, s.heads, s.grid);
+      auto coarse = [](int k) {
+        return k == 8 || k == 16 || k == 24 || k == 32 || k == 48 || k == 64;
       };
-      double best = sim(0);
-      for (int k : {8, 16, 24, 32, 48, 64}) {
-        if (k >= s.heads || k * kv_bytes > kChunkBytes) continue;
-        double const v = sim(k);
-        if (v < best - 0.01) best = v, chunk = k;
+      int const fit = int(kChunkBytes / kv_bytes);
+      int const most = kNarrow ? s.heads - 1 : (fit < s.heads ? fit : s.heads);
+      bool const every = !kNarrow && n * most <= kSimSteps;
+      for (int k = 1; k <= most; ++k) {
+        if (k * kv_bytes > kChunkBytes) break;
+        if (!every && !coarse(k) && !(k == most && !kNarrow)) continue;
+        double const v = busiest(k, cost, s.heads, s.grid);
+        if (v < best - 0.01 * mean) best = v, chunk = k;
       }
     }
     seen[next] = s;
