@@ -66,6 +66,25 @@ SHAPES: list[dict[str, Any]] = [
         "n_kv": 8,
         "causal": "BottomRight",
     },
+    # session 18: causal launches of a few waves, balanced by the host's chunk of heads: one
+    # 2048-token prompt at head dim 128 (pingpongk_128x128) and two at head dim 64 (192-row
+    # blocks, one chunk of all 32 heads)
+    {
+        "name": "b1_s2048_n16_h128_causal",
+        "b": 1,
+        "s": 2048,
+        "n": 16,
+        "h": 128,
+        "causal": "BottomRight",
+    },
+    {
+        "name": "b2_s2048_n16_h64_causal",
+        "b": 2,
+        "s": 2048,
+        "n": 16,
+        "h": 64,
+        "causal": "BottomRight",
+    },
 ]
 
 WAYS: dict[str, dict[str, Any]] = {

@@ -317,6 +317,13 @@ CASES: list[Case] = [
         s_kv=1300,
         expect="plain",
     ),
+    # session 18: causal launches of a few waves, their tiles in chunks of all heads chosen on the
+    # host: 192-row blocks at head dim 64 (32 heads in one chunk) and 128-row tiles at head dim
+    # 128 on pingpongk_128x128 (chunks of 9 heads)
+    Case("split_fp16_s2048_h64_causal_b2", "stacked", 2, 2048, 16, 64, 64, {"causal": "TopLeft"}),
+    Case(
+        "split_fp16_s4096_h128_causal_b1", "stacked", 1, 4096, 16, 128, 128, {"causal": "TopLeft"}
+    ),
 ]
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
@@ -357,6 +364,8 @@ HOPPER_CASES = (
     "plain_fp16_s100_kv230_h64",
     "split_fp16_gqa_q16_kv4_s2048_h64_bottomright",
     "plain_fp16_s700_kv1300_h64_bottomright",
+    "split_fp16_s2048_h64_causal_b2",
+    "split_fp16_s4096_h128_causal_b1",
 )
 
 

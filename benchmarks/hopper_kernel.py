@@ -105,7 +105,14 @@ def catalog() -> list[Slot]:
     )
     add(f16, "coop_128x128", "BottomRight", [h128], [h128, (16, 4, 128)])
     add(f16, "pingpong_128x128", "none", _HEADS_128, [(16, 4, 128)], [h128])
-    add(f16, "pingpong_128x128", "TopLeft", [h128, (32, 8, 128)], [h128, (16, 4, 128)], [h128])
+    add(
+        f16,
+        "pingpong_128x128",
+        "TopLeft",
+        [h128, (32, 8, 128), (32, 32, 128)],
+        [h128, (16, 4, 128)],
+        [h128],
+    )
     add(f16, "pingpong_128x128", "BottomRight", [h128], [h128, (16, 4, 128)])
     # fp16, head dim 64
     add(f16, "pingpong3_192x128", "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
@@ -173,15 +180,21 @@ def catalog() -> list[Slot]:
     add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kl_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(b16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
-    # session 18: the causal ping-pong kernel in the chunked order, and the 192-row kernel with
-    # session 10's coarse chunk search (the A/B of the search over every chunk size)
-    add(f16, "pingpongk_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
+    # session 18: the causal ping-pong kernel in the chunked order (run 113 also built the
+    # chunked kernels with session 10's coarse chunk search, -DSTACKFUSE_NARROW_CHUNKS=1, as the
+    # A/B of the search over every chunk size; commit 7e24661)
+    add(
+        f16,
+        "pingpongk_128x128",
+        "TopLeft",
+        [h128, (32, 8, 128), (32, 32, 128)],
+        [h128, (16, 4, 128)],
+        [h128],
+    )
     add(f16, "pingpongk_128x128", "BottomRight", [], [h128, (16, 4, 128)])
-    add(f16, "pingpongk_128x128", "TopLeft@64", [(16, 16, 64)])
-    add(b16, "pingpongk_128x128", "TopLeft", [h128])
-    narrow = ("-DSTACKFUSE_NARROW_CHUNKS=1",)
-    add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], flags=narrow)
-    add(f16, "pingpongk_128x128", "TopLeft", [h128], flags=narrow)
+    add(f16, "pingpongk_128x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)])
+    add(f16, "pingpongk_128x128", "TopLeft@32", _HEADS_32)
+    add(b16, "pingpongk_128x128", "TopLeft", [h128, (32, 8, 128)])
     # session 17: the same with the query blocks aligned to the last row (ShiftRows)
     add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kls_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
@@ -623,6 +636,12 @@ BALANCE_SHAPES = [
     ("b2_s2048_n16_h128_causal", 2, 2048, 16, 16, 128, True, "float16"),  # 3.9
     ("b3_s1024_n16_h128_causal", 3, 1024, 16, 16, 128, True, "float16"),  # 2.9
     ("b1_s4096_q32_kv8_h128_gqa_causal", 1, 4096, 32, 8, 128, True, "float16"),  # Llama-3-8B
+    # "small" launches (fewer than two waves of 128-row tiles) and head dim 32
+    ("b1_s2048_n16_h128_causal", 1, 2048, 16, 16, 128, True, "float16"),  # 1.9 waves
+    ("b1_s1536_n32_h128_causal", 1, 1536, 32, 32, 128, True, "float16"),  # 2.9
+    ("b1_s2048_n16_h64_causal", 1, 2048, 16, 16, 64, True, "float16"),  # 1.9
+    ("b8_s2048_n16_h32_causal", 8, 2048, 16, 16, 32, True, "float16"),
+    ("b1_s4096_n16_h32_causal", 1, 4096, 16, 16, 32, True, "float16"),  # 3.9
 ]
 
 #: every shape of every set, by name (the probes' --shape choices)
@@ -643,8 +662,9 @@ ALL_SHAPES = {
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
     """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_ /
-    CAUSAL64_ / CAUSAL64W_SHAPES when HOPPER_BENCH_SHAPES is sweep / short / h128 / h256 /
-    long128 / causal64 / causal64w (set by ``run --shapes``; the worker processes inherit it)."""
+    CAUSAL64_ / CAUSAL64W_ / BALANCE_SHAPES when HOPPER_BENCH_SHAPES is sweep / short / h128 /
+    h256 / long128 / causal64 / causal64w / balance (set by ``run --shapes``; the worker
+    processes inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
     table = {
         "sweep": SWEEP_SHAPES,
@@ -1534,7 +1554,8 @@ def main() -> int:
             "balance",
         ],
         default="main",
-        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_ or CAUSAL64W_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_, CAUSAL64W_ or "
+        "BALANCE_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)

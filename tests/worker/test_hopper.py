@@ -104,6 +104,8 @@ def test_variants_by_head_dim() -> None:
         "pingpong_128x128",
         "pingpongB_128x128",
     }
+    # the chunked order only up to eight waves of 128-row tiles (session 18)
+    assert "pingpongk_128x128" in hopper.variants(stacked(batch=4, seq=2048, h=128))
     # offered for at most 256 keys (run 79)
     assert "pingpongq_128x128" in hopper.variants(stacked(seq=256, h=128))
     assert "tma_64x128" in hopper.variants(stacked(h=64))
@@ -234,17 +236,38 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert hopper.variants(longer_causal)[0] == "shortwot_64x256"
     longest_causal = stacked(batch=1, seq=300, nq=12, nkv=12, h=64, causal="BottomRight")
     assert hopper.variants(longest_causal)[0] == "pingpong_128x128"
+    # a small causal launch past 256 keys: ping-pong in chunks of heads (B1 S2048 N16 27.8 us vs
+    # ping-pong 37.1, overlap3kls_192x128 30.5; session 18, run 115)
+    assert hopper.variants(stacked(batch=1, seq=2048, h=64, causal="TopLeft"))[0] == (
+        "pingpongk_128x128"
+    )
     # long sequences: the overlapped mainloop (FlashAttention-3's intra-warpgroup overlap) at
     # head dim 128 and with three warpgroups at 64 (1089 vs 1207 us, run 25)
     assert hopper.variants(stacked(h=128))[0] == "overlap_128x128"
     # causal head dim 128 went back to ping-pong once its epilogues ran out of turn (245.4 vs
-    # 255.5 us, runs 73-74)
+    # 255.5 us, runs 73-74); since session 18 launches of at most eight waves take its tiles
+    # in chunks of heads (B1 S4096 N16 130.8 vs 165.5 us, B1 S2048 N16 34.9 vs 45.0; run 115),
+    # larger ones (and dynamic shapes) the plain ping-pong (B8 S2048 N16 251.8 vs 253.2)
     assert hopper.variants(stacked(h=128, causal="TopLeft"))[0] == "pingpong_128x128"
+    few = stacked(batch=1, seq=4096, h=128, causal="TopLeft")
+    assert hopper.shape_class(few) == (128, True, "large")
+    assert hopper.variants(few)[0] == "pingpongk_128x128"
+    prompt = stacked(batch=1, seq=2048, h=128, causal="TopLeft")
+    assert hopper.shape_class(prompt) == (128, True, "small")
+    assert hopper.variants(prompt)[0] == "pingpongk_128x128"
+    dynamic = stacked(batch=DYNAMIC, seq=4096, h=128, causal="TopLeft")
+    assert hopper.variants(dynamic)[0] == "pingpong_128x128"
+    assert "heaviest first" in hopper.VARIANTS["pingpongk_128x128"].words(causal=True)
+    assert "(8 waves)" in hopper.VARIANTS["pingpongk_128x128"].kind
     assert hopper.variants(stacked(batch=2, seq=8192, h=64))[0] == "overlap3_192x128"
     # and at head dim 32 (272.9 vs tma_64x128's 303.2 us, run 27; cuDNN 303.1); causal and
     # short head-dim-32 launches take ping-pong, the cooperative kernel lost by 23-35% (run 29)
     assert hopper.variants(stacked(h=32))[0] == "overlap_128x128"
     assert hopper.variants(stacked(h=32, causal="TopLeft"))[0] == "pingpong_128x128"
+    # up to eight waves in chunks of heads (B1 S4096 N16 causal 79.7 vs 110.3 us, run 115)
+    assert hopper.variants(stacked(batch=1, seq=4096, h=32, causal="TopLeft"))[0] == (
+        "pingpongk_128x128"
+    )
     # head dim 128, one short sequence (B1 S512 N16: 64 tiles of 128 rows leave half the SMs
     # idle): 128 CTAs of 64 rows (10.4 vs 11.5 us, runs 66-67), but only in one wave (B2 S512:
     # 19.4 vs 12.5 us), and a dynamic batch counts as large
@@ -419,6 +442,7 @@ def _code_tokens(source: str) -> tuple[set[str], list[str]]:
         ("coop_128x64", 256),
         ("overlapc_128x64", 256),
         ("pingpongq_128x128", 128),
+        ("pingpongk_128x128", 128),
         ("overlapoq_128x64", 256),
     ],
 )
@@ -568,8 +592,9 @@ int main() {
     auto p = hp::BalancedPersistentScheduler::to_underlying_arguments(ps, hw, Cluster{}, T128{});
     std::printf("grid %d %d\n", p.num_blocks, hp::BalancedPersistentScheduler::get_grid_shape(p).x);
   }
-  // causal, 192-row tiles: B8 S2048 N16 (11 blocks x 128 heads), B4 S1000 N16 (6 x 64)
-  int const orders[][3] = {{16, 8, 2048}, {16, 4, 1000}};
+  // causal, 192-row tiles: B8 S2048 N16 (11 blocks x 128 heads), B4 S1000 N16 (6 x 64), B2
+  // S2048 N16 (11 x 32, under three waves)
+  int const orders[][3] = {{16, 8, 2048}, {16, 4, 1000}, {16, 2, 2048}};
   for (auto const& o : orders) {
     auto ps = cute::make_tuple(o[0], o[1], o[2], o[2], 64);
     auto p = hp::ChunkedSerpentineScheduler<>::to_underlying_arguments(ps, hw, Cluster{}, T192{});
@@ -585,6 +610,14 @@ int main() {
   }
   std::printf("shift %d %d %d\n", hp::row_shift<192>(192), hp::row_shift<192>(1),
               hp::row_shift<0>(1000));
+  // causal, 128-row tiles at head dim 128 (pingpongk): B8 S2048 N16, where the best chunk is
+  // less than kMinGain ahead of the plain order, and B1 S4096 N16 (32 x 16), where it is not
+  int const o128[][3] = {{16, 8, 2048}, {16, 1, 4096}};
+  for (auto const& o : o128) {
+    auto ps = cute::make_tuple(o[0], o[1], o[2], o[2], 128);
+    auto p = hp::ChunkedSerpentineScheduler<>::to_underlying_arguments(ps, hw, Cluster{}, T128{});
+    std::printf("chunk %d %d\n", p.num_blocks, p.chunk);
+  }
 }
 """
 
@@ -595,8 +628,10 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     """The persistent schedulers' host-side choices, from the header compiled into a host
     program (no GPU needed). Without a mask the grid shrinks only when the last round would hold
     at most a quarter of the SMs (4096 tiles: 128 CTAs of 32; 2048: 132, its last round holds
-    68); the causal three-warpgroup order takes chunks of 32 heads where the cost model favours
-    them (B8 S2048 N16) and the plain serpentine where that is best."""
+    68). The causal orders take the chunk of heads the cost model favours: 32 heads at B8 S2048
+    N16 and B2 S2048 N16 (all of them: session 18's search), all 64 at B4 S1000 N16, and at head
+    dim 128 the plain serpentine where no chunk is kMinGain ahead (B8 S2048 N16) and 9 heads where
+    one is (B1 S4096 N16: 77 tile steps for the busiest CTA instead of 104)."""
     chain = find_toolchain()
     src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
     src.write_text(_SCHEDULER_PROBE)
@@ -608,8 +643,9 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     subprocess.run(link, check=True, capture_output=True, timeout=120)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
-    assert out[3:5] == ["chunk 1408 32", "chunk 384 0"]
-    assert out[5:8] == ["shifted 64 1408 32", "shifted 128 384 0", "shift 0 128 0"], out
+    assert out[3:6] == ["chunk 1408 32", "chunk 384 64", "chunk 352 32"], out
+    assert out[6:9] == ["shifted 64 1408 32", "shifted 128 384 64", "shifted 64 352 32"], out
+    assert out[9:12] == ["shift 0 128 0", "chunk 2048 0", "chunk 512 9"], out
 
 
 @pytest.mark.nvcc

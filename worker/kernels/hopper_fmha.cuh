@@ -253,10 +253,7 @@ struct SerpentineScheduler {
 // K/V under kChunkBytes and takes the best, K = 0 (the plain order) included. The rounds, grid
 // and tile index are the serpentine's own (inherited); only the tile's coordinates differ.
 // kShiftBlock: the mask's (StackfuseMask), for the cost model's rows per block.
-#ifndef STACKFUSE_NARROW_CHUNKS
-#define STACKFUSE_NARROW_CHUNKS 0  // an experiment's baseline only (hopper_kernel.py flags)
-#endif
-template <int kShiftBlock = 0, bool kNarrow = bool(STACKFUSE_NARROW_CHUNKS)>
+template <int kShiftBlock = 0>
 struct ChunkedSerpentineScheduler : SerpentineScheduler {
   struct Params : SerpentineScheduler::Params {
     int blocks_q;
@@ -267,6 +264,10 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   static constexpr double kChunkBytes = 24.0 * 1024 * 1024;
   // tile steps the host may simulate to try every chunk size (else the coarse list)
   static constexpr long kSimSteps = 1L << 18;
+  // how much lighter (a share of the mean CTA load) the busiest CTA must be for a chunked order
+  // to replace the plain one: a chunk of heads gives up some of the plain order's K/V reuse in
+  // L2 (run 113: chunks the model put 1.6-2.1% ahead ran 0.6-1.4% slower; 4.6% and more paid)
+  static constexpr double kMinGain = 0.03;
 
   int blocks_q, heads, chunk;
 
@@ -344,11 +345,13 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   // The chunk size for a shape, simulated on the host and remembered per thread for the last 8
   // shapes: a caller whose pointers change every call misses the launch-parameter cache but not
   // this one. Past 64 rounds the serpentine's last, partial round costs at most 1/64 and is not
-  // simulated. Session 18: every K up to the heads whose K/V fit kChunkBytes, one chunk of all
-  // heads included, where that is at most kSimSteps tile steps of simulation (the coarse list
-  // 8 ... 64 plus that largest K beyond); the coarse list alone (kNarrow, session 10's, K below
-  // the heads) left launches of a few waves unbalanced (B2 S2048 N16 causal, 192-row blocks:
-  // the busiest CTA 37.5 tile steps, 30.5 with one chunk of all 32 heads)
+  // simulated. Every K up to the heads whose K/V fit kChunkBytes is tried, one chunk of all
+  // heads included, where that is at most kSimSteps tile steps of simulation (else the coarse
+  // list 8 ... 64 plus that largest K); a larger K must beat a smaller one by 1% of the mean
+  // load, and the best chunk the plain order by kMinGain. Session 10's search tried only the
+  // coarse list below the heads, which left launches of a few waves unbalanced (run 113, B2
+  // S2048 N16 causal in 192-row blocks: the busiest CTA 37.5 tile steps by the model, 30.5
+  // with one chunk of all 32 heads; 59.7 us then, 49.7 now)
   static int choose_chunk(Shape const& s) {
     thread_local Shape seen[8];
     thread_local int chosen[8];
@@ -365,19 +368,20 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
       double total = 0;
       for (double c : cost) total += c;
       double const mean = total * s.heads / s.grid;
-      double best = busiest(0, cost, s.heads, s.grid);
+      double const plain = busiest(0, cost, s.heads, s.grid);
+      double best = plain;
       auto coarse = [](int k) {
         return k == 8 || k == 16 || k == 24 || k == 32 || k == 48 || k == 64;
       };
       int const fit = int(kChunkBytes / kv_bytes);
-      int const most = kNarrow ? s.heads - 1 : (fit < s.heads ? fit : s.heads);
-      bool const every = !kNarrow && n * most <= kSimSteps;
+      int const most = fit < s.heads ? fit : s.heads;
+      bool const every = n * most <= kSimSteps;
       for (int k = 1; k <= most; ++k) {
-        if (k * kv_bytes > kChunkBytes) break;
-        if (!every && !coarse(k) && !(k == most && !kNarrow)) continue;
+        if (!every && !coarse(k) && k != most) continue;
         double const v = busiest(k, cost, s.heads, s.grid);
         if (v < best - 0.01 * mean) best = v, chunk = k;
       }
+      if (best > plain - kMinGain * mean) chunk = 0;
     }
     seen[next] = s;
     chosen[next] = chunk;
