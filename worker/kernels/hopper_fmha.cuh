@@ -259,6 +259,9 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     int blocks_q;
     int heads;  // mode 0 x mode 1 (heads x batch)
     int chunk;  // K; 0: the plain serpentine order
+    // the chunked order's divisions, by multiply and shift: by K x blocks_q (the tiles of a
+    // chunk), by K and by the last chunk's heads (1 where there is no chunk)
+    cutlass::FastDivmod divmod_chunk_tiles, divmod_chunk, divmod_last_chunk;
   };
 
   static constexpr double kChunkBytes = 24.0 * 1024 * 1024;
@@ -269,15 +272,15 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   // L2 (run 113: chunks the model put 1.6-2.1% ahead ran 0.6-1.4% slower; 4.6% and more paid)
   static constexpr double kMinGain = 0.03;
 
-  int blocks_q, heads, chunk;
+  Params const& chunked;  // the kernel's (parameter space): read where needed, not copied
 
   CUTLASS_DEVICE explicit ChunkedSerpentineScheduler(Params const& p)
-      : SerpentineScheduler(p), blocks_q(p.blocks_q), heads(p.heads), chunk(p.chunk) {}
+      : SerpentineScheduler(p), chunked(p) {}
 
   // Tile `tile` of the chunked order (chunk > 0): its query block (heaviest first within the
-  // chunk) and its head (mode 0 x mode 1 index); shared by the device and the host's simulation
-  CUTLASS_HOST_DEVICE static void chunked_tile(int tile, int chunk, int blocks_q, int heads,
-                                               int& m, int& rest) {
+  // chunk) and its head (mode 0 x mode 1 index), for the host's simulation; the device computes
+  // the same with the Params' FastDivmods (get_block_coord)
+  static void chunked_tile(int tile, int chunk, int blocks_q, int heads, int& m, int& rest) {
     int const per_chunk = chunk * blocks_q;
     int const c = tile / per_chunk;
     int const u = tile - c * per_chunk;
@@ -333,12 +336,18 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   template <class ProblemSize, class ClusterShape, class TileShape>
   static Params to_underlying_arguments(ProblemSize const& ps, cutlass::KernelHardwareInfo hw,
                                         ClusterShape const& cluster, TileShape const& tile) {
-    Params p{SerpentineScheduler::to_underlying_arguments(ps, hw, cluster, tile), 0, 0, 0};
+    Params p{
+        SerpentineScheduler::to_underlying_arguments(ps, hw, cluster, tile), 0, 0, 0, {}, {}, {}};
     p.blocks_q = p.divmod_m_block.divisor;
     p.heads = p.num_blocks / p.blocks_q;
     p.chunk = choose_chunk({p.blocks_q, p.heads, p.grid, int(cute::get<2>(ps)),
                             int(cute::get<3>(ps)), int(cute::get<4>(ps)),
                             int(cute::get<0>(TileShape{})), int(cute::get<1>(TileShape{}))});
+    int const k = p.chunk > 0 ? p.chunk : 1;
+    int const last = p.heads - (p.heads - 1) / k * k;  // heads of the last chunk
+    p.divmod_chunk_tiles = cutlass::FastDivmod(k * p.blocks_q);
+    p.divmod_chunk = cutlass::FastDivmod(k);
+    p.divmod_last_chunk = cutlass::FastDivmod(last);
     return p;
   }
 
@@ -393,10 +402,15 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   // Hides the serpentine's: the kernel calls this through the derived type (no virtuals)
   CUTLASS_DEVICE auto get_block_coord() const {
     int rest, m, b, h;
-    if (chunk == 0) {
+    if (chunked.chunk == 0) {
       params.divmod_m_block(rest, m, tile);
-    } else {
-      chunked_tile(tile, chunk, blocks_q, heads, m, rest);
+    } else {  // chunked_tile's arithmetic, its divisions by FastDivmod (session 18, run 116)
+      int c, u, r, j;
+      chunked.divmod_chunk_tiles(c, u, tile);
+      bool const last = chunked.heads - c * chunked.chunk < chunked.chunk;
+      (last ? chunked.divmod_last_chunk : chunked.divmod_chunk)(r, j, u);
+      m = chunked.blocks_q - 1 - r;
+      rest = c * chunked.chunk + j;
     }
     params.divmod_b(h, b, rest);
     return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
