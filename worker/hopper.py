@@ -128,7 +128,10 @@ class Variant:
             # the condition of hopper_overlap.cuh's kWarpgroupTrips
             words += "; each warpgroup computes only the key tiles its rows see"
         if causal and self.has(_CHUNKED):
-            words += "; tiles handed out heaviest first within chunks of heads"
+            words += (
+                "; tiles handed out heaviest first within chunks of heads where the host's cost"
+                " model finds that balances the launch better than the plain order"
+            )
         if causal and self.has(_SHIFT_ROWS):
             words += "; query blocks end at the last row, so a ragged block is the lightest"
         return words
