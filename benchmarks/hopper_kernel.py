@@ -801,14 +801,10 @@ def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int] | tuple[i
     ]
     from worker.hopper import VARIANTS
 
-    if slot["causal"] != "none" and _CHUNKED_TAG in VARIANTS[slot["variant"]].options:
+    if slot["causal"] != "none" and VARIANTS[slot["variant"]].chunked:
         # launches of several rounds, where the chunked order's chunk is not trivially 0
         cases += [(2, 2048, 2048), (1, 3000, 3000)]
     return cases
-
-
-#: the option of the causal kernels whose tile order the host chooses (ChunkedOrder)
-_CHUNKED_TAG = "stackfuse::hopper::ChunkedOrder"
 
 
 def _dtype(torch: Any, name: str) -> Any:

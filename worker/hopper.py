@@ -89,6 +89,11 @@ class Variant:
         return any(o in self.options for o in options)
 
     @property
+    def chunked(self) -> bool:
+        """Whether its causal tiles go in the chunked order, the chunk chosen on the host."""
+        return self.has(_CHUNKED)
+
+    @property
     def kind(self) -> str:
         """The schedule in words, for the report."""
         words = {
@@ -127,7 +132,7 @@ class Variant:
         if causal and three and self.has(_OVERLAP):
             # the condition of hopper_overlap.cuh's kWarpgroupTrips
             words += "; each warpgroup computes only the key tiles its rows see"
-        if causal and self.has(_CHUNKED):
+        if causal and self.chunked:
             words += (
                 "; tiles handed out heaviest first within chunks of heads where the host's cost"
                 " model finds that balances the launch better than the plain order"
