@@ -195,6 +195,8 @@ def catalog() -> list[Slot]:
     add(f16, "pingpongk_128x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)])
     add(f16, "pingpongk_128x128", "TopLeft@32", _HEADS_32)
     add(b16, "pingpongk_128x128", "TopLeft", [h128, (32, 8, 128)])
+    # (run 120 also built them with K = 1 in place of the plain order, no branch between two
+    # orders on the device, -DSTACKFUSE_CHUNK_BRANCH_FREE=1 in a build not kept: what ships since)
     # (run 116 also built the chunked kernels with the chunked order's integer divisions of
     # commit 7bcb0ef, as -DSTACKFUSE_CHUNK_SLOW_DIV=1 in a build not kept, against FastDivmod)
     # session 17: the same with the query blocks aligned to the last row (ShiftRows)

@@ -229,11 +229,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("coop_128x128", _COOP, 128, 128),
         Variant("pingpong_128x128", _PING, 128, 128),
         Variant("pingpongB_128x128", _PING, 128, 128, _BATCH_MAJOR),
-        # the same with causal tiles heaviest first within chunks of heads (session 18), offered
-        # for launches of at most eight waves: where a chunk balances a launch of a few waves it
-        # wins by up to 39% (run 115); past that the chunk is mostly 0 and this kernel then runs
-        # the plain order 0.5% (head dim 128) to 4.4% (head dim 32) slower than pingpong_128x128
-        Variant("pingpongk_128x128", _PING, 128, 128, _CHUNKED, max_ctas=8 * SMS),
+        # the same with causal tiles heaviest first within chunks of heads (session 18): where a
+        # chunk balances a launch of a few waves it wins by up to 47%, elsewhere it ties (run 120)
+        Variant("pingpongk_128x128", _PING, 128, 128, _CHUNKED),
         # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
         Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
         Variant("pingpong3_192x128", _PING, 192, 128, _THREE_MMA_WARPGROUPS),
@@ -352,16 +350,16 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (32, False, "large"): "overlap_128x128",
     # B8 S2048 N16 causal: pingpong_128x128 166.6 us vs overlap_128x128 179.5, tma_64x128
     # 181.3, coop_128x64 (the pick before) 231.3 (cuDNN 178.1; run 29)
-    # Session 18 (run 115, us): pingpongk_128x128 (tiles in chunks of heads, the host's pick) up
-    # to eight waves of tiles: B1 S4096 N16 causal 79.7 vs ping-pong 110.3 (cuDNN 101.9); past
-    # them ping-pong: B8 S2048 N16 causal 166.8 vs pingpongk's 174.8 (the plain order there)
-    (32, True, "large"): ("pingpongk_128x128", "pingpong_128x128"),
+    # Session 18 (run 120, us): pingpongk_128x128 (tiles in chunks of heads, the host's pick): B1
+    # S4096 N16 causal 75.5 vs ping-pong 111.0 (cuDNN 102.2), B8 S2048 N16 causal 167.1 vs 166.9
+    # (1.000 per round; 178.0)
+    (32, True, "large"): "pingpongk_128x128",
     # B16 S256 N16: pingpongq_128x128 (the next tile's Q loaded ahead) 16.0 us vs ping-pong
     # 16.6, 9 of 9 rounds faster (SDPA's fastest 16.0); causal 15.3 vs 15.8, 9 of 9 (15.7; run
     # 79). Offered up to 256 keys; longer ones take ping-pong. Before: 16.6 us (overlap 16.6,
     # tma 17.4, coop 23.6; cuDNN 16.1); causal 16.0 (overlap 15.8, tma 16.5; cuDNN 15.8; run 29)
     (32, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
-    (32, True, "small"): ("pingpongq_128x128", "pingpongk_128x128", "pingpong_128x128"),
+    (32, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
     (32, False, "tiny"): "tma_64x128",  # unmeasured
     # unmeasured; coop_128x64 lost by 23-35% at every head-dim-32 shape measured (run 29)
     (32, True, "tiny"): "pingpong_128x128",
@@ -410,12 +408,7 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # shortwot_64x256 14.05 vs 14.09, 6 of 9 (run 99)
     # past 256 keys, pingpongk_128x128 (session 18, run 115): B1 S2048 N16 causal 27.8 us vs
     # ping-pong 37.1, overlap3kls_192x128 30.5 (cuDNN 37.0)
-    (64, True, "small"): (
-        "shortw_64x128",
-        "shortwot_64x256",
-        "pingpongk_128x128",
-        "pingpong_128x128",
-    ),
+    (64, True, "small"): ("shortw_64x128", "shortwot_64x256", "pingpongk_128x128"),
     # B4 S128 N12: shortw_64x128 3.4 us vs tma_64x128 4.2, pingpong_128x128 5.4 (cuDNN 4.8);
     # B2 S256 N12: shortw_64x256 4.4 vs tma_64x128 5.4 (cuDNN 5.9; run 18). Pipelined (session
     # 15, 9 of 9 rounds each in runs 91 / 92): B4 S128 shortwo_64x128 3.28 / 3.37 vs 3.41 /
@@ -438,11 +431,10 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     # 255.5 / 259.1 (cuDNN 267.5 / 270.7), GQA 32/8 causal 495.6 / 498.9 vs 488.4 / 505.4
     # (SDPA's fastest 524.7 / 534.8). Before: overlap, 254.3 vs 255.5 us, GQA 32/8 causal
     # 509.5 vs 529.5 (run 25)
-    # Session 18 (run 115, us): pingpongk_128x128 up to eight waves of tiles, B1 S4096 N16 130.8
-    # vs ping-pong 165.5 (cuDNN 160.6), B3 S1024 N16 33.9 vs 35.4 (39.8), B1 S1536 N32 43.5 vs
-    # 47.0 (53.3); ties where the chunk stays 0 (B2 S2048 N16 65.5 vs 65.2, GQA 32/8 B1 S4096
-    # 225.3 vs 224.9); past eight waves ping-pong (B8 S2048 N16: 251.8 vs 253.2)
-    (128, True, "large"): ("pingpongk_128x128", "pingpong_128x128"),
+    # Session 18 (run 120, us): pingpongk_128x128, B1 S4096 N16 132.1 vs ping-pong 165.9 (cuDNN
+    # 159.2), B3 S1024 N16 34.1 vs 35.4 (39.9), and level where no chunk beats K = 1: B8 S2048
+    # N16 251.4 vs 252.1 (272.3), GQA 32/8 506.5 vs 520.2 (535.6), B2 S2048 N16 65.3 vs 66.4
+    (128, True, "large"): "pingpongk_128x128",
     # B16 S256 N16: pingpongq_128x128 24.4 us vs ping-pong 25.0, 9 of 9 rounds faster (cuDNN
     # 23.0); causal 23.6 vs 24.8, 9 of 9 (cuDNN 23.3; run 79). Offered up to 256 keys: at B1
     # S1024 N32 (a "small" launch of 256 CTAs with 8 key tiles each) it lost 12% (36.6 vs 32.1).
@@ -451,7 +443,7 @@ SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
     (128, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
     # past 256 keys, pingpongk_128x128 (session 18, run 115): B1 S2048 N16 causal 34.9 us vs
     # ping-pong 45.0 (cuDNN 52.2)
-    (128, True, "small"): ("pingpongq_128x128", "pingpongk_128x128", "pingpong_128x128"),
+    (128, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
     # B1 S512 N16 (64 tiles of 128 rows, half the SMs idle): 128 CTAs of 64 rows, tma1_64x128
     # 10.4 us vs pingpong_128x128 11.5 (cuDNN 11.1; runs 66, 67); causal 10.5-10.6 vs 12.2-12.3
     # (cuDNN 11.7-11.8). Past one wave of 64-row tiles it is not offered (B2 S512 N16: 19.4 vs

@@ -103,9 +103,8 @@ def test_variants_by_head_dim() -> None:
         "coop_128x128",
         "pingpong_128x128",
         "pingpongB_128x128",
+        "pingpongk_128x128",
     }
-    # the chunked order only up to eight waves of 128-row tiles (session 18)
-    assert "pingpongk_128x128" in hopper.variants(stacked(batch=4, seq=2048, h=128))
     # offered for at most 256 keys (run 79)
     assert "pingpongq_128x128" in hopper.variants(stacked(seq=256, h=128))
     assert "tma_64x128" in hopper.variants(stacked(h=64))
@@ -245,29 +244,22 @@ def test_shape_classes_follow_the_measurements() -> None:
     # head dim 128 and with three warpgroups at 64 (1089 vs 1207 us, run 25)
     assert hopper.variants(stacked(h=128))[0] == "overlap_128x128"
     # causal head dim 128 went back to ping-pong once its epilogues ran out of turn (245.4 vs
-    # 255.5 us, runs 73-74); since session 18 launches of at most eight waves take its tiles
-    # in chunks of heads (B1 S4096 N16 130.8 vs 165.5 us, B1 S2048 N16 34.9 vs 45.0; run 115),
-    # larger ones (and dynamic shapes) the plain ping-pong (B8 S2048 N16 251.8 vs 253.2)
-    assert hopper.variants(stacked(h=128, causal="TopLeft"))[0] == "pingpong_128x128"
-    few = stacked(batch=1, seq=4096, h=128, causal="TopLeft")
-    assert hopper.shape_class(few) == (128, True, "large")
-    assert hopper.variants(few)[0] == "pingpongk_128x128"
+    # 255.5 us, runs 73-74); since session 18 its tiles go in chunks of heads chosen on the host
+    # (B1 S4096 N16 132.1 vs 165.9 us, B1 S2048 N16 34.8 vs 45.1; B8 S2048 N16 251.4 vs 252.1;
+    # run 120), small, large and dynamic launches alike
+    assert hopper.variants(stacked(h=128, causal="TopLeft"))[0] == "pingpongk_128x128"
     prompt = stacked(batch=1, seq=2048, h=128, causal="TopLeft")
     assert hopper.shape_class(prompt) == (128, True, "small")
     assert hopper.variants(prompt)[0] == "pingpongk_128x128"
     dynamic = stacked(batch=DYNAMIC, seq=4096, h=128, causal="TopLeft")
-    assert hopper.variants(dynamic)[0] == "pingpong_128x128"
+    assert hopper.variants(dynamic)[0] == "pingpongk_128x128"
     assert "heaviest first" in hopper.VARIANTS["pingpongk_128x128"].words(causal=True)
-    assert "(8 waves)" in hopper.VARIANTS["pingpongk_128x128"].kind
     assert hopper.variants(stacked(batch=2, seq=8192, h=64))[0] == "overlap3_192x128"
     # and at head dim 32 (272.9 vs tma_64x128's 303.2 us, run 27; cuDNN 303.1); causal and
     # short head-dim-32 launches take ping-pong, the cooperative kernel lost by 23-35% (run 29)
     assert hopper.variants(stacked(h=32))[0] == "overlap_128x128"
-    assert hopper.variants(stacked(h=32, causal="TopLeft"))[0] == "pingpong_128x128"
-    # up to eight waves in chunks of heads (B1 S4096 N16 causal 79.7 vs 110.3 us, run 115)
-    assert hopper.variants(stacked(batch=1, seq=4096, h=32, causal="TopLeft"))[0] == (
-        "pingpongk_128x128"
-    )
+    # in chunks of heads since session 18 (B1 S4096 N16 causal 75.5 vs 111.0 us, run 120)
+    assert hopper.variants(stacked(h=32, causal="TopLeft"))[0] == "pingpongk_128x128"
     # head dim 128, one short sequence (B1 S512 N16: 64 tiles of 128 rows leave half the SMs
     # idle): 128 CTAs of 64 rows (10.4 vs 11.5 us, runs 66-67), but only in one wave (B2 S512:
     # 19.4 vs 12.5 us), and a dynamic batch counts as large
@@ -334,8 +326,8 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert hopper.variants(stacked(nq=32, nkv=8))[0] == "overlap_128x128"
     assert hopper.variants(stacked(nq=32, nkv=32))[0] == "overlap_128x128"
     # causal GQA with the causal class: ping-pong since session 12 (495.6 / 498.9 vs 488.4 /
-    # 505.4 us, runs 73-74)
-    assert hopper.variants(stacked(nq=32, nkv=8, causal="TopLeft"))[0] == "pingpong_128x128"
+    # 505.4 us, runs 73-74), in chunks of heads since session 18 (506.5 vs 520.2 us, run 120)
+    assert hopper.variants(stacked(nq=32, nkv=8, causal="TopLeft"))[0] == "pingpongk_128x128"
     # dynamic shapes count as large
     assert hopper.shape_class(stacked(batch="b", seq="s"))[2] == "large"
 
@@ -610,8 +602,8 @@ int main() {
   }
   std::printf("shift %d %d %d\n", hp::row_shift<192>(192), hp::row_shift<192>(1),
               hp::row_shift<0>(1000));
-  // causal, 128-row tiles at head dim 128 (pingpongk): B8 S2048 N16, where the best chunk is
-  // less than kMinGain ahead of the plain order, and B1 S4096 N16 (32 x 16), where it is not
+  // causal, 128-row tiles at head dim 128 (pingpongk): B8 S2048 N16, where no chunk is kMinGain
+  // ahead of one head per chunk, and B1 S4096 N16 (32 x 16), where one is
   int const o128[][3] = {{16, 8, 2048}, {16, 1, 4096}};
   for (auto const& o : o128) {
     auto ps = cute::make_tuple(o[0], o[1], o[2], o[2], 128);
@@ -630,8 +622,9 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     at most a quarter of the SMs (4096 tiles: 128 CTAs of 32; 2048: 132, its last round holds
     68). The causal orders take the chunk of heads the cost model favours: 32 heads at B8 S2048
     N16 and B2 S2048 N16 (all of them: session 18's search), all 64 at B4 S1000 N16, and at head
-    dim 128 the plain serpentine where no chunk is kMinGain ahead (B8 S2048 N16) and 9 heads where
-    one is (B1 S4096 N16: 77 tile steps for the busiest CTA instead of 104)."""
+    dim 128 chunks of one head (each head heaviest first, as balanced as the plain order) where
+    no larger chunk is kMinGain ahead (B8 S2048 N16) and 9 heads where one is (B1 S4096 N16: 77
+    tile steps for the busiest CTA instead of 104)."""
     chain = find_toolchain()
     src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
     src.write_text(_SCHEDULER_PROBE)
@@ -645,7 +638,7 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
     assert out[3:6] == ["chunk 1408 32", "chunk 384 64", "chunk 352 32"], out
     assert out[6:9] == ["shifted 64 1408 32", "shifted 128 384 64", "shifted 64 352 32"], out
-    assert out[9:12] == ["shift 0 128 0", "chunk 2048 0", "chunk 512 9"], out
+    assert out[9:12] == ["shift 0 128 0", "chunk 2048 1", "chunk 512 9"], out
 
 
 @pytest.mark.nvcc

@@ -250,17 +250,18 @@ struct SerpentineScheduler {
 // cost model of key tiles per block. Listing the blocks of each chunk of K heads heaviest first
 // (K heads' K/V in L2 at once) evens that out to ~1.03 at K = 32, and is much worse than the plain
 // order at other shapes; so the host simulates the serpentine for each K that keeps a chunk's
-// K/V under kChunkBytes and takes the best, K = 0 (the plain order) included. The rounds, grid
-// and tile index are the serpentine's own (inherited); only the tile's coordinates differ.
+// K/V under kChunkBytes and takes the best, K = 1 (as balanced as the plain order) included. The
+// rounds, grid and tile index are the serpentine's own (inherited); only the tile's coordinates
+// differ.
 // kShiftBlock: the mask's (StackfuseMask), for the cost model's rows per block.
 template <int kShiftBlock = 0>
 struct ChunkedSerpentineScheduler : SerpentineScheduler {
   struct Params : SerpentineScheduler::Params {
     int blocks_q;
     int heads;  // mode 0 x mode 1 (heads x batch)
-    int chunk;  // K; 0: the plain serpentine order
+    int chunk;  // K >= 1 (1: each head's blocks heaviest first, heads in order)
     // the chunked order's divisions, by multiply and shift: by K x blocks_q (the tiles of a
-    // chunk), by K and by the last chunk's heads (1 where there is no chunk)
+    // chunk), by K and by the last chunk's heads
     cutlass::FastDivmod divmod_chunk_tiles, divmod_chunk, divmod_last_chunk;
   };
 
@@ -277,7 +278,7 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   CUTLASS_DEVICE explicit ChunkedSerpentineScheduler(Params const& p)
       : SerpentineScheduler(p), chunked(p) {}
 
-  // Tile `tile` of the chunked order (chunk > 0): its query block (heaviest first within the
+  // Tile `tile` of the chunked order: its query block (heaviest first within the
   // chunk) and its head (mode 0 x mode 1 index), for the host's simulation; the device computes
   // the same with the Params' FastDivmods (get_block_coord)
   static void chunked_tile(int tile, int chunk, int blocks_q, int heads, int& m, int& rest) {
@@ -315,7 +316,7 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     return cost;
   }
 
-  // The busiest CTA's load under the serpentine for chunk size k (0: the plain order)
+  // The busiest CTA's load under the serpentine for chunk size k
   static double busiest(int k, std::vector<double> const& cost, int heads, int grid) {
     int const blocks_q = int(cost.size());
     std::vector<double> load(grid, 0.0);
@@ -323,8 +324,8 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     for (long t = 0; t < n; ++t) {
       long const r = t / grid, j = t - r * grid;
       int const cta = int((r & 1) ? grid - 1 - j : j);
-      int m = int(t % blocks_q), rest;
-      if (k != 0) chunked_tile(int(t), k, blocks_q, heads, m, rest);
+      int m, rest;
+      chunked_tile(int(t), k, blocks_q, heads, m, rest);
       load[cta] += cost[m];
     }
     double most = 0;
@@ -343,7 +344,7 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     p.chunk = choose_chunk({p.blocks_q, p.heads, p.grid, int(cute::get<2>(ps)),
                             int(cute::get<3>(ps)), int(cute::get<4>(ps)),
                             int(cute::get<0>(TileShape{})), int(cute::get<1>(TileShape{}))});
-    int const k = p.chunk > 0 ? p.chunk : 1;
+    int const k = p.chunk;
     int const last = p.heads - (p.heads - 1) / k * k;  // heads of the last chunk
     p.divmod_chunk_tiles = cutlass::FastDivmod(k * p.blocks_q);
     p.divmod_chunk = cutlass::FastDivmod(k);
@@ -357,7 +358,10 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   // simulated. Every K up to the heads whose K/V fit kChunkBytes is tried, one chunk of all
   // heads included, where that is at most kSimSteps tile steps of simulation (else the coarse
   // list 8 ... 64 plus that largest K); a larger K must beat a smaller one by 1% of the mean
-  // load, and the best chunk the plain order by kMinGain. Session 10's search tried only the
+  // load, and the best chunk K = 1 by kMinGain. K = 1 (each head's blocks heaviest first, the
+  // heads in order) stands in for the plain order: the same balance by the model, and no branch
+  // between two orders on the device, which cost 0.5-4.4% where the plain order ran (run 120).
+  // Session 10's search tried only the
   // coarse list below the heads, which left launches of a few waves unbalanced (run 113, B2
   // S2048 N16 causal in 192-row blocks: the busiest CTA 37.5 tile steps by the model, 30.5
   // with one chunk of all 32 heads; 59.7 us then, 49.7 now)
@@ -368,7 +372,7 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
     for (int i = 0; i < filled; ++i) {
       if (seen[i] == s) return chosen[i];
     }
-    int chunk = 0;
+    int chunk = 1;
     long const n = long(s.blocks_q) * s.heads;
     if (n <= 64L * s.grid) {
       // K and V bytes of one head (fp16/bf16; GQA heads share theirs, so this overcounts)
@@ -377,7 +381,7 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
       double total = 0;
       for (double c : cost) total += c;
       double const mean = total * s.heads / s.grid;
-      double const plain = busiest(0, cost, s.heads, s.grid);
+      double const plain = busiest(1, cost, s.heads, s.grid);
       double best = plain;
       auto coarse = [](int k) {
         return k == 8 || k == 16 || k == 24 || k == 32 || k == 48 || k == 64;
@@ -385,12 +389,12 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
       int const fit = int(kChunkBytes / kv_bytes);
       int const most = fit < s.heads ? fit : s.heads;
       bool const every = n * most <= kSimSteps;
-      for (int k = 1; k <= most; ++k) {
+      for (int k = 2; k <= most; ++k) {
         if (!every && !coarse(k) && k != most) continue;
         double const v = busiest(k, cost, s.heads, s.grid);
         if (v < best - 0.01 * mean) best = v, chunk = k;
       }
-      if (best > plain - kMinGain * mean) chunk = 0;
+      if (best > plain - kMinGain * mean) chunk = 1;
     }
     seen[next] = s;
     chosen[next] = chunk;
@@ -401,17 +405,13 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
 
   // Hides the serpentine's: the kernel calls this through the derived type (no virtuals)
   CUTLASS_DEVICE auto get_block_coord() const {
-    int rest, m, b, h;
-    if (chunked.chunk == 0) {
-      params.divmod_m_block(rest, m, tile);
-    } else {  // chunked_tile's arithmetic, its divisions by FastDivmod (session 18, run 116)
-      int c, u, r, j;
-      chunked.divmod_chunk_tiles(c, u, tile);
-      bool const last = chunked.heads - c * chunked.chunk < chunked.chunk;
-      (last ? chunked.divmod_last_chunk : chunked.divmod_chunk)(r, j, u);
-      m = chunked.blocks_q - 1 - r;
-      rest = c * chunked.chunk + j;
-    }
+    // chunked_tile's arithmetic, its divisions by FastDivmod (session 18, run 116)
+    int rest, m, b, h, c, u, r, j;
+    chunked.divmod_chunk_tiles(c, u, tile);
+    bool const last = chunked.heads - c * chunked.chunk < chunked.chunk;
+    (last ? chunked.divmod_last_chunk : chunked.divmod_chunk)(r, j, u);
+    m = chunked.blocks_q - 1 - r;
+    rest = c * chunked.chunk + j;
     params.divmod_b(h, b, rest);
     return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
   }
