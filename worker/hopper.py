@@ -118,9 +118,7 @@ class Variant:
         if self.has(_EPILOGUE_IN_Q):
             words += ", O staged in the warpgroup's Q stage"
         if self.max_ctas is not None:
-            waves = self.max_ctas // SMS
-            span = "one wave" if waves == 1 else f"{waves} waves"
-            words += f", for launches of at most {self.max_ctas} CTAs ({span})"
+            words += f", for launches of at most {self.max_ctas} CTAs (one wave)"
         if self.offered_seq_kv is not None:
             words += f", for at most {self.offered_seq_kv} keys"
         return words

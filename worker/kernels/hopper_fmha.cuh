@@ -268,9 +268,10 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   static constexpr double kChunkBytes = 24.0 * 1024 * 1024;
   // tile steps the host may simulate to try every chunk size (else the coarse list)
   static constexpr long kSimSteps = 1L << 18;
-  // how much lighter (a share of the mean CTA load) the busiest CTA must be for a chunked order
-  // to replace the plain one: a chunk of heads gives up some of the plain order's K/V reuse in
-  // L2 (run 113: chunks the model put 1.6-2.1% ahead ran 0.6-1.4% slower; 4.6% and more paid)
+  // how much lighter (a share of the mean CTA load) the busiest CTA must be for chunks of several
+  // heads to replace chunks of one: a chunk of heads gives up some of one head's K/V reuse in L2
+  // (run 113: chunks the model put 1.6-2.1% ahead of the plain order ran 0.6-1.4% slower; 4.6%
+  // and more paid)
   static constexpr double kMinGain = 0.03;
 
   Params const& chunked;  // the kernel's (parameter space): read where needed, not copied
@@ -278,18 +279,24 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   CUTLASS_DEVICE explicit ChunkedSerpentineScheduler(Params const& p)
       : SerpentineScheduler(p), chunked(p) {}
 
-  // Tile `tile` of the chunked order: its query block (heaviest first within the
-  // chunk) and its head (mode 0 x mode 1 index), for the host's simulation; the device computes
-  // the same with the Params' FastDivmods (get_block_coord)
-  static void chunked_tile(int tile, int chunk, int blocks_q, int heads, int& m, int& rest) {
-    int const per_chunk = chunk * blocks_q;
-    int const c = tile / per_chunk;
-    int const u = tile - c * per_chunk;
-    int const left = heads - c * chunk;
-    int const kc = left < chunk ? left : chunk;
-    int const r = u / kc;
-    m = blocks_q - 1 - r;
-    rest = c * chunk + (u - r * kc);
+  // Chunks of k heads in `p`: the chunk and its divisions (p.blocks_q and p.heads set)
+  static void set_chunk(Params& p, int k) {
+    p.chunk = k;
+    p.divmod_chunk_tiles = cutlass::FastDivmod(k * p.blocks_q);
+    p.divmod_chunk = cutlass::FastDivmod(k);
+    p.divmod_last_chunk = cutlass::FastDivmod(p.heads - (p.heads - 1) / k * k);  // the last's
+  }
+
+  // Tile `tile` of the chunked order: its query block (heaviest first within its chunk) and its
+  // head (mode 0 x mode 1 index), by FastDivmod (session 18, run 116); the device's
+  // (get_block_coord) and the host simulation's (busiest)
+  CUTLASS_HOST_DEVICE static void chunked_tile(int tile, Params const& p, int& m, int& rest) {
+    int c, u, r, j;
+    p.divmod_chunk_tiles(c, u, tile);
+    bool const last = p.heads - c * p.chunk < p.chunk;
+    (last ? p.divmod_last_chunk : p.divmod_chunk)(r, j, u);
+    m = p.blocks_q - 1 - r;
+    rest = c * p.chunk + j;
   }
 
   struct Shape {
@@ -318,14 +325,17 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
 
   // The busiest CTA's load under the serpentine for chunk size k
   static double busiest(int k, std::vector<double> const& cost, int heads, int grid) {
-    int const blocks_q = int(cost.size());
+    Params p{};
+    p.blocks_q = int(cost.size());
+    p.heads = heads;
+    set_chunk(p, k);
     std::vector<double> load(grid, 0.0);
-    long const n = long(blocks_q) * heads;
+    long const n = long(p.blocks_q) * heads;
     for (long t = 0; t < n; ++t) {
       long const r = t / grid, j = t - r * grid;
       int const cta = int((r & 1) ? grid - 1 - j : j);
       int m, rest;
-      chunked_tile(int(t), k, blocks_q, heads, m, rest);
+      chunked_tile(int(t), p, m, rest);
       load[cta] += cost[m];
     }
     double most = 0;
@@ -341,14 +351,9 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
         SerpentineScheduler::to_underlying_arguments(ps, hw, cluster, tile), 0, 0, 0, {}, {}, {}};
     p.blocks_q = p.divmod_m_block.divisor;
     p.heads = p.num_blocks / p.blocks_q;
-    p.chunk = choose_chunk({p.blocks_q, p.heads, p.grid, int(cute::get<2>(ps)),
-                            int(cute::get<3>(ps)), int(cute::get<4>(ps)),
-                            int(cute::get<0>(TileShape{})), int(cute::get<1>(TileShape{}))});
-    int const k = p.chunk;
-    int const last = p.heads - (p.heads - 1) / k * k;  // heads of the last chunk
-    p.divmod_chunk_tiles = cutlass::FastDivmod(k * p.blocks_q);
-    p.divmod_chunk = cutlass::FastDivmod(k);
-    p.divmod_last_chunk = cutlass::FastDivmod(last);
+    set_chunk(p, choose_chunk({p.blocks_q, p.heads, p.grid, int(cute::get<2>(ps)),
+                               int(cute::get<3>(ps)), int(cute::get<4>(ps)),
+                               int(cute::get<0>(TileShape{})), int(cute::get<1>(TileShape{}))}));
     return p;
   }
 
@@ -361,10 +366,9 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   // load, and the best chunk K = 1 by kMinGain. K = 1 (each head's blocks heaviest first, the
   // heads in order) stands in for the plain order: the same balance by the model, and no branch
   // between two orders on the device, which cost 0.5-4.4% where the plain order ran (run 120).
-  // Session 10's search tried only the
-  // coarse list below the heads, which left launches of a few waves unbalanced (run 113, B2
-  // S2048 N16 causal in 192-row blocks: the busiest CTA 37.5 tile steps by the model, 30.5
-  // with one chunk of all 32 heads; 59.7 us then, 49.7 now)
+  // Session 10's search tried only the coarse list below the heads, which left launches of a few
+  // waves unbalanced (run 113, B2 S2048 N16 causal in 192-row blocks: the busiest CTA 37.5 tile
+  // steps by the model, 30.5 with one chunk of all 32 heads; 59.7 us then, 49.7 now)
   static int choose_chunk(Shape const& s) {
     thread_local Shape seen[8];
     thread_local int chosen[8];
@@ -381,8 +385,8 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
       double total = 0;
       for (double c : cost) total += c;
       double const mean = total * s.heads / s.grid;
-      double const plain = busiest(1, cost, s.heads, s.grid);
-      double best = plain;
+      double const one_head = busiest(1, cost, s.heads, s.grid);
+      double best = one_head;
       auto coarse = [](int k) {
         return k == 8 || k == 16 || k == 24 || k == 32 || k == 48 || k == 64;
       };
@@ -394,7 +398,7 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
         double const v = busiest(k, cost, s.heads, s.grid);
         if (v < best - 0.01 * mean) best = v, chunk = k;
       }
-      if (best > plain - kMinGain * mean) chunk = 1;
+      if (best > one_head - kMinGain * mean) chunk = 1;
     }
     seen[next] = s;
     chosen[next] = chunk;
@@ -405,13 +409,8 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
 
   // Hides the serpentine's: the kernel calls this through the derived type (no virtuals)
   CUTLASS_DEVICE auto get_block_coord() const {
-    // chunked_tile's arithmetic, its divisions by FastDivmod (session 18, run 116)
-    int rest, m, b, h, c, u, r, j;
-    chunked.divmod_chunk_tiles(c, u, tile);
-    bool const last = chunked.heads - c * chunked.chunk < chunked.chunk;
-    (last ? chunked.divmod_last_chunk : chunked.divmod_chunk)(r, j, u);
-    m = chunked.blocks_q - 1 - r;
-    rest = c * chunked.chunk + j;
+    int rest, m, b, h;
+    chunked_tile(tile, chunked, m, rest);
     params.divmod_b(h, b, rest);
     return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
   }
