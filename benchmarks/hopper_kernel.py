@@ -276,6 +276,13 @@ def catalog() -> list[Slot]:
         start=1,
     ):
         add(dtype, variant, causal, [heads], flags=(f"-DSTACKFUSE_TIMELINE={n}",))
+    # session 19: Q K^T with Q in registers (hopper_overlap.cuh, -DSTACKFUSE_Q_REGS=1)
+    qr = ("-DSTACKFUSE_Q_REGS=1",)
+    add(f16, "overlap_128x128", "none", [h128, (32, 8, 128)], flags=qr)
+    add(b16, "overlap_128x128", "none", [h128], flags=qr)
+    add(f16, "overlap_128x128", "none@32", _HEADS_32, flags=qr)
+    add(f16, "overlap3_192x128", "none@64", _HEADS_64, flags=qr)
+    add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], flags=qr)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
