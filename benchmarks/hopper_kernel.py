@@ -276,13 +276,10 @@ def catalog() -> list[Slot]:
         start=1,
     ):
         add(dtype, variant, causal, [heads], flags=(f"-DSTACKFUSE_TIMELINE={n}",))
-    # session 19: Q K^T with Q in registers (hopper_overlap.cuh, -DSTACKFUSE_Q_REGS=1)
-    qr = ("-DSTACKFUSE_Q_REGS=1",)
-    add(f16, "overlap_128x128", "none", [h128, (32, 8, 128)], flags=qr)
-    add(b16, "overlap_128x128", "none", [h128], flags=qr)
-    add(f16, "overlap_128x128", "none@32", _HEADS_32, flags=qr)
-    add(f16, "overlap3_192x128", "none@64", _HEADS_64, flags=qr)
-    add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], flags=qr)
+    # (run 123 also built the overlapped mainloop with Q in registers for Q K^T,
+    # -DSTACKFUSE_Q_REGS=1 on overlap_128x128 at head dims 128 and 32 and on overlap3 /
+    # overlap3kls at 64: ptxas serialized the wgmmas at 64 and 128, 14-22% slower; 0.8% faster
+    # at 32; not kept, commit 437e010)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
@@ -436,12 +433,23 @@ def _compile(cmd: list[str], log: Path) -> dict[str, Any]:
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     regs = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
+    # ptxas's "Potential Performance Loss" warnings (C7512 and kin: serialized or waited-on
+    # wgmma; docs/field-notes.md): run 123 lost 14-22% to C7512 with no spill reported
+    perf = sorted(
+        {
+            f"{c}: {w}"
+            for c, w in re.findall(
+                r"\((C75\d\d)\) Potential Performance Loss: (.*?)(?: for the function|\n)", text
+            )
+        }
+    )
     return {
         "ok": proc.returncode == 0,
         "seconds": round(wall, 1),
         "peak_rss_mb": round(int(rss.group(1)) / 1024) if rss else None,
         "registers": [int(r) for r in regs],
         "spill_store_bytes": [int(s) for s in spills],
+        "ptxas_performance_warnings": perf,
     }
 
 

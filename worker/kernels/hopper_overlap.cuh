@@ -23,12 +23,6 @@
 
 #include "collective/fmha_collective_tma_warpspecialized.hpp"
 
-// Experiment (session 19): Q K^T with Q in registers (wgmma's A operand from registers, loaded
-// once per tile by ldmatrix) instead of from shared memory at every key tile
-#ifndef STACKFUSE_Q_REGS
-#define STACKFUSE_Q_REGS 0
-#endif
-
 namespace stackfuse {
 namespace hopper {
 
@@ -98,12 +92,6 @@ struct OverlapMainloop : Base {
   // 1-3% (bf16 B8 S2048: 428.6 vs 417.3 us, 0 of 9 rounds faster), though single short
   // sequences gained up to 10%; they keep the example's step.
   static constexpr bool kOwnFirstSoftmax = kLazyRescale;
-
-  // Q in registers for Q K^T (see STACKFUSE_Q_REGS): the SS product reads Q's 64 x H tile from
-  // shared memory at every key tile, a third of what the Q K^T product reads there
-  static constexpr bool kQInRegs = STACKFUSE_Q_REGS != 0;
-  using TiledMmaQKrs =
-      decltype(cutlass::fmha::collective::convert_to_gmma_rs(TiledMmaQK{}));
 
   // 2^x in one MUFU.EX2. exp2f adds a compare and two multiplies per call for subnormal
   // results (< 2^-126): here they are probabilities that small next to a row maximum of 1,
@@ -200,19 +188,6 @@ struct OverlapMainloop : Base {
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ));
     Tensor tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK));
-    TiledMmaQKrs tiled_mma_qk_rs;
-    static_assert(!kQInRegs || size(TiledMmaQKrs{}) == 128, "one warpgroup per Q K^T product");
-    int const wg_thread = thread_idx % 128;
-    auto thr_mma_qk_rs = tiled_mma_qk_rs.get_thread_slice(wg_thread);
-    Tensor tSrQr = thr_mma_qk_rs.partition_fragment_A(sQ(_, _, 0));
-    // S = Q K_t^T, from Q in shared memory or in registers
-    auto gemm_qk = [&](auto& acc, int k_index, int q_index) {
-      if constexpr (kQInRegs) {
-        gemm_zero_acc(tiled_mma_qk_rs, tSrQr, tSrK(_, _, _, k_index), acc);
-      } else {
-        gemm_zero_acc(tiled_mma_qk, tSrQ(_, _, _, q_index), tSrK(_, _, _, k_index), acc);
-      }
-    };
 
     TiledMmaPV tiled_mma_pv;
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
@@ -255,14 +230,6 @@ struct OverlapMainloop : Base {
 
     pipeline_q.consumer_wait(smem_pipe_read_q);
     int const q_stage = smem_pipe_read_q.index();
-    if constexpr (kQInRegs) {
-      auto copy_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, tiled_mma_qk_rs);
-      auto thr_copy_q = copy_q.get_thread_slice(wg_thread);
-      Tensor tSsQ = thr_copy_q.partition_S(sQ);
-      Tensor tSrQv = thr_copy_q.retile_D(tSrQr);
-      cute::copy(copy_q, tSsQ(_, _, _, q_stage), tSrQv);
-      warpgroup_fence_operand(tSrQr);
-    }
 
     // coordinates of the S accumulator (for the mask)
     Tensor cP = make_identity_tensor(take<0, 2>(TileShapeQK{}));
@@ -295,7 +262,8 @@ struct OverlapMainloop : Base {
     math_wg_order_barrier.wait();
     warpgroup_fence_operand(acc_s);
     warpgroup_arrive();
-    gemm_qk(acc_s, smem_pipe_read.index(), q_stage);
+    gemm_zero_acc(tiled_mma_qk, tSrQ(_, _, _, q_stage), tSrK(_, _, _, smem_pipe_read.index()),
+                  acc_s);
     warpgroup_commit_batch();
     math_wg_order_barrier.arrive();
     warpgroup_wait<0>();
@@ -358,7 +326,7 @@ struct OverlapMainloop : Base {
       warpgroup_fence_operand(acc_pv);
       warpgroup_fence_operand(p);
       warpgroup_arrive();
-      gemm_qk(acc_s, k_read.index(), q_stage);
+      gemm_zero_acc(tiled_mma_qk, tSrQ(_, _, _, q_stage), tSrK(_, _, _, k_read.index()), acc_s);
       warpgroup_commit_batch();
       pipeline.consumer_wait(v_read);
       warpgroup_arrive();
