@@ -280,6 +280,14 @@ def catalog() -> list[Slot]:
     # -DSTACKFUSE_Q_REGS=1 on overlap_128x128 at head dims 128 and 32 and on overlap3 /
     # overlap3kls at 64: ptxas serialized the wgmmas at 64 and 128, 14-22% slower; 0.8% faster
     # at 32; not kept, commit 437e010)
+    # session 19: FlashAttention-3's 128 x 80 tile at head dim 256 (four K/V stages)
+    add(f16, "overlapoq_128x80", "none@256", _HEADS_256, [], [(8, 8, 256)])
+    add(f16, "overlapoq_128x80", "TopLeft@256", _HEADS_256, [(8, 8, 256)], [(8, 8, 256)])
+    add(b16, "overlapoq_128x80", "none@256", _HEADS_256)
+    # and 176 at head dim 128 (O in the Q stage; its 128-key control)
+    for v in ("overlapoq_128x176", "overlapoq_128x128"):
+        add(f16, v, "none", [h128, (32, 32, 128), (32, 8, 128)])
+        add(b16, v, "none", [h128])
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
