@@ -276,18 +276,14 @@ def catalog() -> list[Slot]:
         start=1,
     ):
         add(dtype, variant, causal, [heads], flags=(f"-DSTACKFUSE_TIMELINE={n}",))
+    # (runs 124-126 also built FlashAttention-3's key tiles with O in the Q stage and four K/V
+    # stages, overlapoq_128x80 at head dim 256 and overlapoq_128x176 / overlapoq_128x128 at
+    # 128, CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined so that CuTe picks 64 x 80 and
+    # 64 x 176 products: level with the 64- and 128-key tiles at best; commit b6e00cd)
     # (run 123 also built the overlapped mainloop with Q in registers for Q K^T,
     # -DSTACKFUSE_Q_REGS=1 on overlap_128x128 at head dims 128 and 32 and on overlap3 /
-    # overlap3kls at 64: ptxas serialized the wgmmas at 64 and 128, 14-22% slower; 0.8% faster
+    # overlap3kls at 64: ptxas serialized the wgmmas at 64 and 128, 10-22% slower; 0.8% faster
     # at 32; not kept, commit 437e010)
-    # session 19: FlashAttention-3's 128 x 80 tile at head dim 256 (four K/V stages)
-    add(f16, "overlapoq_128x80", "none@256", _HEADS_256, [], [(8, 8, 256)])
-    add(f16, "overlapoq_128x80", "TopLeft@256", _HEADS_256, [(8, 8, 256)], [(8, 8, 256)])
-    add(b16, "overlapoq_128x80", "none@256", _HEADS_256)
-    # and 176 at head dim 128 (O in the Q stage; its 128-key control)
-    for v in ("overlapoq_128x176", "overlapoq_128x128"):
-        add(f16, v, "none", [h128, (32, 32, 128), (32, 8, 128)])
-        add(b16, v, "none", [h128])
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
@@ -442,7 +438,7 @@ def _compile(cmd: list[str], log: Path) -> dict[str, Any]:
     regs = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
     # ptxas's "Potential Performance Loss" warnings (C7512 and kin: serialized or waited-on
-    # wgmma; docs/field-notes.md): run 123 lost 14-22% to C7512 with no spill reported
+    # wgmma; docs/field-notes.md): run 123 lost 10-22% to C7512 with no spill reported
     perf = sorted(
         {
             f"{c}: {w}"

@@ -286,23 +286,6 @@ VARIANTS: dict[str, Variant] = {
             64,
             (*_OVERLAP, *_LAZY, *_EPILOGUE_IN_Q, *_OWN_IN_TURN),
         ),
-        # experiments (session 19): FlashAttention-3's key tiles, 80 keys at head dim 256 and
-        # 176 at 128 (four K/V stages next to Q, O staged in Q), and the 128-key control
-        Variant(
-            "overlapoq_128x176",
-            _PING,
-            128,
-            176,
-            (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN, _OPTION.format("kStagesKV", 4)),
-        ),
-        Variant("overlapoq_128x128", _PING, 128, 128, (*_OVERLAP, *_EPILOGUE_IN_Q, *_OWN_IN_TURN)),
-        Variant(
-            "overlapoq_128x80",
-            _PING,
-            128,
-            80,
-            (*_OVERLAP, *_LAZY, *_EPILOGUE_IN_Q, *_OWN_IN_TURN, _OPTION.format("kStagesKV", 4)),
-        ),
     )
 }
 
@@ -345,10 +328,8 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpongk_128x128",
         "tma1_64x128",
         "pingpongq_128x128",
-        "overlapoq_128x176",
-        "overlapoq_128x128",
     ),
-    256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64", "overlapoq_128x80"),
+    256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64"),
 }
 
 #: Per shape class, the variant to use, from three H200 runs (benchmarks/results/

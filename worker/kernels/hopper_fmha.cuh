@@ -36,11 +36,6 @@
 
 #include <cuda_runtime.h>
 
-// Every wgmma N (multiples of 8) for CuTe's MMA selectors, not only the powers of two, 96 and
-// 192: without it a key tile of 80 or 176 keys is tiled by 64 x 16 products (session 19)
-#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
-#endif
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"
