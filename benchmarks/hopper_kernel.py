@@ -284,6 +284,19 @@ def catalog() -> list[Slot]:
     # -DSTACKFUSE_Q_REGS=1 on overlap_128x128 at head dims 128 and 32 and on overlap3 /
     # overlap3kls at 64: ptxas serialized the wgmmas at 64 and 128, 10-22% slower; 0.8% faster
     # at 32; not kept, commit 437e010)
+    # session 20: the last partial round split along the keys over every SM
+    # (TailSplitScheduler, -DSTACKFUSE_TAIL_SPLIT=1), against the same variants without
+    split = ("-DSTACKFUSE_TAIL_SPLIT=1",)
+    heads = [h128, (32, 32, 128), (32, 8, 128)]
+    add(f16, "overlap_128x128", "none", heads, [], [h128], flags=split)
+    add(b16, "overlap_128x128", "none", [h128], flags=split)
+    add(f16, "overlap_128x128", "none@32", [(16, 16, 32)], flags=split)
+    add(f16, "overlap3_192x128", "none@64", [(16, 16, 64), (12, 12, 64)], flags=split)
+    add(f16, "overlapoq_128x64", "none@256", [(8, 8, 256)], flags=split)
+    # the same code with no tile split (each CTA's share of the tail at least a whole tile)
+    whole = (*split, "-DSTACKFUSE_TAIL_MIN_UNITS=100000")
+    add(f16, "overlap_128x128", "none", heads, flags=whole)
+    add(f16, "overlap3_192x128", "none@64", [(16, 16, 64)], flags=whole)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
@@ -667,6 +680,10 @@ BALANCE_SHAPES = [
     ("b1_s4096_n16_h32_causal", 1, 4096, 16, 16, 32, True, "float16"),  # 3.9
 ]
 
+#: the main set's non-causal shapes of at least a few waves (``run --shapes tail``): where the
+#: last partial round leaves SMs idle (session 20's tail split)
+TAIL_SHAPES = [sh for sh in BENCH_SHAPES if not sh[6] and sh[2] >= 2048]
+
 #: every shape of every set, by name (the probes' --shape choices)
 ALL_SHAPES = {
     s[0]: s
@@ -698,6 +715,7 @@ def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
         "causal64": CAUSAL64_SHAPES,
         "causal64w": CAUSAL64W_SHAPES,
         "balance": BALANCE_SHAPES,
+        "tail": TAIL_SHAPES,
     }
     return table.get(chosen or "", BENCH_SHAPES)
 
@@ -1571,6 +1589,7 @@ def main() -> int:
             "causal64",
             "causal64w",
             "balance",
+            "tail",
         ],
         default="main",
         help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_, CAUSAL64W_ or "
