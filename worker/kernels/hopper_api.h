@@ -34,28 +34,9 @@ struct Problem {
 
 // Bytes of the scratch buffer `launch` needs: one float per query row and query head (the
 // launches of a group, where there are several, run one after the other and share it).
-// With the last round split along the keys (-DSTACKFUSE_TAIL_SPLIT=1, an experiment), the
-// partial results and their flags follow the LSE, 256-byte aligned: a bound for up to 160 CTAs
-// of 3 warpgroups of 128 threads, 130 floats each (O of 64 x 256 and two rows' LSE) and a flag.
-// (an inline namespace of its own: objects built with and without the flag link into one
-// benchmark library, and these inline functions must not merge across them)
-#if defined(STACKFUSE_TAIL_SPLIT) && STACKFUSE_TAIL_SPLIT
-inline namespace tail_split {
-constexpr int64_t kTailSplitCtas = 160;
-constexpr int64_t kTailSplitBytes = kTailSplitCtas * 3 * 128 * (130 + 1) * 4;
-#else
-constexpr int64_t kTailSplitBytes = 0;
-#endif
-inline int64_t lse_only_bytes(int batch, int q_heads, int seq_q) {
-  return (int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float)) + 255) / 256 * 256;
-}
 inline int64_t lse_bytes(int batch, int q_heads, int seq_q) {
-  return kTailSplitBytes == 0 ? int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float))
-                              : lse_only_bytes(batch, q_heads, seq_q) + kTailSplitBytes;
+  return int64_t(batch) * q_heads * seq_q * int64_t(sizeof(float));
 }
-#if defined(STACKFUSE_TAIL_SPLIT) && STACKFUSE_TAIL_SPLIT
-}  // namespace tail_split
-#endif
 
 // Why a failure happened, for the caller's error message.
 enum class Status : int {

@@ -440,160 +440,6 @@ struct BalancedPersistentScheduler : cutlass::fmha::kernel::PersistentTileSchedu
   }
 };
 
-// Persistent, the example's order, with the last partial round split along the keys
-// (session 20, an experiment: -DSTACKFUSE_TAIL_SPLIT=1). T tiles of n key tiles on P CTAs:
-// every CTA first runs F = T / P whole tiles (tile c + k P, as PersistentTileScheduler), then
-// the r = T - F P tiles left are cut into r n key-tile units, CTA c taking units
-// [c r n / P, (c + 1) r n / P): the last round's work spread over all P SMs instead of r of them
-// (2048 tiles on 132 SMs: 68 busy in the 16th round). A range crosses at most one tile
-// boundary (r < P). The CTA holding a tile's last unit owns it: it merges the other CTAs'
-// partial results (O and log-sum-exp, written to the workspace with a flag) and stores O. Each
-// CTA runs its part that it does not own first, so no CTA waits before writing its own partial.
-struct TailSplitScheduler {
-  static constexpr bool kTailSplit = true;
-  enum Kind : int { kWhole = 0, kNonOwner = 1, kOwner = 2 };
-  struct Params {
-    int num_blocks;  // T
-    cutlass::FastDivmod divmod_m_block, divmod_b, divmod_h;
-    cutlass::KernelHardwareInfo hw_info;  // sm_count: the grid, P
-    int full_rounds;                      // F
-    int tail_units;                       // r n
-    int tail_ctas;                        // the CTAs that share them (at least kMinUnits each)
-    int kv_tiles;                         // n
-    float* ws;                            // partials, then flags (set per launch)
-    uint32_t epoch;                       // per launch: a flag's "written" value
-  };
-
-  Params const& params;
-  int item = 0;  // 0 .. F - 1: whole tiles; then this CTA's tail segments
-  int tile;      // this item's tile (num_blocks: done)
-
-  // Fewest key tiles a CTA takes of the tail: every other CTA's partial is one more merge for
-  // the owner (4 tiles of 4096 on 132 SMs: 128 CTAs of one key tile each would leave each
-  // owner 31 merges)
-#if defined(STACKFUSE_TAIL_MIN_UNITS)
-  static constexpr int kMinUnits = STACKFUSE_TAIL_MIN_UNITS;
-#else
-  static constexpr int kMinUnits = 4;
-#endif
-
-  struct Segment {
-    int tile, begin, end;  // tail tile t (of r), key tiles [begin, end)
-    Kind kind;
-    int count;  // this CTA's segments (0-2)
-  };
-
-  // This CTA's tail segment s: its non-owned part first. Recomputed where needed (a few integer
-  // operations in the tail only) rather than held in registers through the main loop.
-  CUTLASS_DEVICE Segment segment(int s) const {
-    // 32-bit arithmetic: c U < 2^32 for the tails a launch can have (r < P <= 160 tiles of
-    // fewer than 2^24 / 160 key tiles); 64-bit divisions compile to calls
-    unsigned const P = unsigned(params.tail_ctas);
-    unsigned const c = blockIdx.x;
-    unsigned const n = unsigned(params.kv_tiles);
-    unsigned const U = unsigned(params.tail_units);
-    Segment g{0, 0, 0, kWhole, 0};
-    if (c >= P) return g;  // CTAs from tail_ctas on take no part of the tail
-    unsigned const a = c * U / P, b = (c + 1) * U / P;
-    if (a >= b) return g;
-    unsigned const t0 = a / n, t1 = (b - 1) / n;
-    g.count = t0 == t1 ? 1 : 2;
-    if (g.count == 1) {
-      g.tile = int(t0), g.begin = int(a - t0 * n), g.end = int(b - t0 * n);
-    } else if (s == 0) {  // the start of t1, not owned
-      g.tile = int(t1), g.begin = 0, g.end = int(b - t1 * n);
-    } else {  // the end of t0, owned
-      g.tile = int(t0), g.begin = int(a - t0 * n), g.end = int(n);
-    }
-    g.kind = g.begin == 0 && g.end == int(n) ? kWhole : (g.end == int(n) ? kOwner : kNonOwner);
-    return g;
-  }
-
-  CUTLASS_DEVICE explicit TailSplitScheduler(Params const& p) : params(p) { set(0); }
-
-  CUTLASS_DEVICE void set(int i) {
-    item = i;
-    int const F = params.full_rounds;
-    if (i < F) {
-      tile = int(blockIdx.x) + i * int(gridDim.x);
-    } else {
-      Segment const g = segment(i - F);
-      tile = i - F < g.count ? F * int(gridDim.x) + g.tile : params.num_blocks;
-    }
-  }
-
-  // this item's key tiles and kind
-  CUTLASS_DEVICE Segment current() const {
-    if (item < params.full_rounds) return Segment{0, 0, params.kv_tiles, kWhole, 0};
-    return segment(item - params.full_rounds);
-  }
-
-  // The CTAs whose partials the owner of this item's tile merges: [first_partner(), blockIdx.x)
-  CUTLASS_DEVICE int first_partner() const {
-    unsigned const P = unsigned(params.tail_ctas);
-    unsigned const U = unsigned(params.tail_units);
-    unsigned const t = unsigned(tile - params.full_rounds * int(gridDim.x));
-    unsigned const start = t * unsigned(params.kv_tiles);  // the tile's first unit
-    unsigned j = blockIdx.x;
-    while (j > 0 && j * U / P > start) --j;  // a_j > start: j holds no earlier unit
-    return int(j);
-  }
-
-  // whether CTA j has tail units (with fewer units than CTAs some have none)
-  CUTLASS_DEVICE bool has_units(int j) const {
-    unsigned const P = unsigned(params.tail_ctas);
-    unsigned const U = unsigned(params.tail_units);
-    return (unsigned(j) + 1) * U / P > unsigned(j) * U / P;
-  }
-
-  template <class ProblemSize, class ClusterShape, class TileShape>
-  static Params to_underlying_arguments(ProblemSize const& ps, cutlass::KernelHardwareInfo hw,
-                                        ClusterShape const&, TileShape const& tile_shape) {
-    using namespace cute;
-    int const sms = hw.sm_count > 0 ? hw.sm_count : 1;
-    int const blocks_m = ceil_div(int(size<2>(ps)), int(size<0>(tile_shape)));
-    int const num_blocks = blocks_m * int(size<0>(ps)) * int(size<1>(ps));
-    int const n = ceil_div(int(size<3>(ps)), int(size<1>(tile_shape)));
-    int const grid = num_blocks < sms && num_blocks * n < sms ? num_blocks : sms;
-    int F = num_blocks / grid, r = num_blocks - F * grid;
-    if (n < 2) F = (num_blocks + grid - 1) / grid, r = 0;  // nothing to split: whole tiles
-    cutlass::KernelHardwareInfo out = hw;
-    out.sm_count = grid;
-    // with no tail split, the whole tiles' rounds (F) are all the rounds
-    if (r == 0) F = (num_blocks + grid - 1) / grid;
-    int tail_ctas = r * n / kMinUnits;
-    tail_ctas = tail_ctas < r ? r : (tail_ctas > grid ? grid : tail_ctas);
-    return Params{num_blocks,
-                  cutlass::FastDivmod(blocks_m),
-                  cutlass::FastDivmod(int(size<0>(ps))),
-                  cutlass::FastDivmod(int(size<1>(ps))),
-                  out,
-                  F,
-                  r * n,
-                  tail_ctas > 0 ? tail_ctas : 1,
-                  n,
-                  nullptr,
-                  0u};
-  }
-
-  static dim3 get_grid_shape(Params const& p) { return dim3(p.hw_info.sm_count, 1, 1); }
-
-  CUTLASS_DEVICE bool is_valid() const { return tile < params.num_blocks; }
-
-  CUTLASS_DEVICE auto get_block_coord() const {
-    int block_decode = tile, m_block, bidb, bidh;
-    params.divmod_m_block(block_decode, m_block, block_decode);
-    params.divmod_b(block_decode, bidb, block_decode);
-    params.divmod_h(block_decode, bidh, block_decode);
-    return cute::make_coord(m_block, cute::_0{}, cute::make_coord(bidb, bidh));
-  }
-
-  CUTLASS_DEVICE TailSplitScheduler& operator++() {
-    set(item + 1);
-    return *this;
-  }
-};
-
 // Option tag: the causal ping-pong kernels take ChunkedSerpentineScheduler
 struct ChunkedOrder {
   static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1003);  // not CUTLASS's
@@ -682,14 +528,6 @@ struct GroupedMainloop : Base {
     Base::template load_kv_maybe_q<kLoadQ>(block_rank_in_cluster, blk_coord, params,
                                            grouped(ps, params.groups, params.kv_heads),
                                            std::forward<Rest>(rest)...);
-  }
-
-  template <class BlkCoord, class ProblemShape, class... Rest>
-  CUTLASS_DEVICE void load_kv_range(int block_rank_in_cluster, BlkCoord const& blk_coord,
-                                    int k_begin, int k_count, Params const& params,
-                                    ProblemShape const& ps, Rest&&... rest) {
-    Base::load_kv_range(block_rank_in_cluster, blk_coord, k_begin, k_count, params,
-                        grouped(ps, params.groups, params.kv_heads), std::forward<Rest>(rest)...);
   }
 
   template <class BlkCoord, class ProblemShape, class... Rest>
@@ -845,11 +683,7 @@ struct Compose<Element, TileShape, Fusion, cutlass::gemm::KernelTmaWarpSpecializ
       kCausal,
       std::conditional_t<kChunked<Options...>,
                          ChunkedSerpentineScheduler<Fusion::kRowShiftBlock>, SerpentineScheduler>,
-#if defined(STACKFUSE_TAIL_SPLIT) && STACKFUSE_TAIL_SPLIT
-      std::conditional_t<kOverlap<Options...>, TailSplitScheduler, BalancedPersistentScheduler>>;
-#else
       BalancedPersistentScheduler>;
-#endif
   using Kernel = WarpSpecializedKernel<Mainloop, Epilogue, Scheduler, Options..., Persistent,
                                        QSeparately>;
 };
@@ -1000,33 +834,6 @@ Status launch_one(typename Kernel::Params const& params, cudaStream_t stream,
   dim3 const block = Kernel::get_block_shape();
   cutlass::device_kernel<Kernel><<<grid, block, Kernel::SharedStorageSize, stream>>>(params);
   return after_launch(cuda_error);
-}
-
-template <class K, class = void>
-struct KernelSplits : std::false_type {};
-template <class K>
-struct KernelSplits<K, std::void_t<decltype(K::kSplit)>> : std::bool_constant<K::kSplit> {};
-
-// A launch from cached parameters; a tail-splitting kernel gets its workspace (after the LSE)
-// and a fresh epoch for its flags (a partial's flag from an earlier launch must not count)
-template <class Kernel>
-Status launch_cached(typename Kernel::Params const& cached, Problem const& p,
-                     cudaStream_t stream, cudaError_t* cuda_error) {
-  if constexpr (KernelSplits<Kernel>::value) {
-#if defined(STACKFUSE_TAIL_SPLIT) && STACKFUSE_TAIL_SPLIT
-    if (int64_t(cached.tile_scheduler.hw_info.sm_count) > kTailSplitCtas) return Status::kDevice;
-#endif
-    static uint32_t counter = 0;
-    uint32_t const n = __atomic_add_fetch(&counter, 1u, __ATOMIC_RELAXED);
-    typename Kernel::Params params = cached;
-    params.tile_scheduler.ws = reinterpret_cast<float*>(
-        reinterpret_cast<char*>(p.lse) + lse_only_bytes(p.batch, p.q_heads, p.seq_q));
-    params.tile_scheduler.epoch = (n * 2654435761u) ^ 0x9e3779b9u;
-    if (params.tile_scheduler.epoch == 0u) params.tile_scheduler.epoch = 1u;
-    return launch_one<Kernel>(params, stream, cuda_error);
-  } else {
-    return launch_one<Kernel>(cached, stream, cuda_error);
-  }
 }
 
 // The TMA short kernel's tensor maps for one launch, cached like the CUTLASS kernels' Params
@@ -1221,8 +1028,8 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
          p.kv_heads},
         {static_cast<Element*>(p.o), dO, p.lse, dLSE},
         hw};
-    return launch_cached<Kernel>(*cached_params<Kernel>(cache, key, args, p.scale), p, stream,
-                                 cuda_error);
+    return launch_one<Kernel>(*cached_params<Kernel>(cache, key, args, p.scale), stream,
+                              cuda_error);
   } else {
     // The example's non-warp-specialized mainloop fixes its strides: launch g of G reads query
     // heads g, g + G, ... (stride G H) against all Nkv key/value heads.
@@ -1243,8 +1050,8 @@ Status launch_cutlass(Problem const& p, cudaStream_t stream, cudaError_t* cuda_e
            static_cast<const Element*>(p.v.ptr), dV},
           {o, dO, p.lse, dLSE},
           hw};
-      st = launch_cached<Kernel>(*cached_params<Kernel>(cache, key, args, p.scale), p, stream,
-                                 cuda_error);
+      st = launch_one<Kernel>(*cached_params<Kernel>(cache, key, args, p.scale), stream,
+                              cuda_error);
       if (st != Status::kOk) return st;
     }
     return Status::kOk;

@@ -24,11 +24,6 @@ int TVMBackendFreeWorkspace(int device_type, int device_id, void* ptr);
 
 namespace stackfuse {
 namespace hopper {
-// (flagged builds: in hopper_api.h's inline namespace, so that run_stacked, which sizes the
-// workspace, does not merge with an unflagged object's at link time)
-#if defined(STACKFUSE_TAIL_SPLIT) && STACKFUSE_TAIL_SPLIT
-inline namespace tail_split {
-#endif
 
 constexpr int kMaxOperands = 8;
 constexpr int kMaxRank = 6;
@@ -192,8 +187,5 @@ inline void run_stacked(LaunchFn launch, const StackedSpec& s, DLTensor* const* 
   }
 }
 
-#if defined(STACKFUSE_TAIL_SPLIT) && STACKFUSE_TAIL_SPLIT
-}  // namespace tail_split
-#endif
 }  // namespace hopper
 }  // namespace stackfuse

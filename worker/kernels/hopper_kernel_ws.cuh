@@ -52,9 +52,6 @@
 // Nsight Compute gives each SM's active cycles, not when each CTA started and ended, which is
 // what tells a late start from an uneven end. N tells the objects of one library apart.
 #if defined(STACKFUSE_TIMELINE)
-#include <cstdint>
-#include <type_traits>
-
 #include <cuda_runtime.h>
 #define STACKFUSE_CAT2(a, b) a##b
 #define STACKFUSE_CAT(a, b) STACKFUSE_CAT2(a, b)
@@ -321,12 +318,6 @@ template <class Element, class TileShapePV, int kShiftBlock, class... Options>
 using WarpSpecializedEpilogue =
     typename WarpSpecializedEpilogueOf<Element, TileShapePV, kShiftBlock, Options...>::type;
 
-// Schedulers that split the last round's tiles along the keys (TailSplitScheduler)
-template <class S, class = void>
-struct IsTailSplit : std::false_type {};
-template <class S>
-struct IsTailSplit<S, std::void_t<decltype(S::kTailSplit)>> : std::bool_constant<S::kTailSplit> {};
-
 template <class CollectiveMainloop, class CollectiveEpilogue, class TileScheduler,
           class... Options>
 struct WarpSpecializedKernel
@@ -356,98 +347,6 @@ struct WarpSpecializedKernel
   static_assert(!kOInQ || (CollectiveMainloop::kIsPersistent && !kExampleEpilogue<Options...>),
                 "O in the Q stage: the persistent kernels with our epilogue");
   static_assert(!kOInQ || size(ClusterShape{}) == 1, "O in the Q stage: no cluster");
-  // the last round's tiles split along the keys (TailSplitScheduler)
-  static constexpr bool kSplit = IsTailSplit<TileScheduler>::value;
-  static_assert(!kSplit || (kLoadsQSeparately && size(ClusterShape{}) == 1),
-                "tail split: the persistent kernels, Q loaded by its own warp, no cluster");
-
-  // A partial result in the workspace: per consumer thread its O fragment (normalized, fp32),
-  // then its rows' log-sum-exp, element e of thread t at e * 128 + t (coalesced); one slot per
-  // CTA and warpgroup, then one flag per slot and thread (set to the launch's epoch once that
-  // thread's values are written; reset by the owner once merged).
-  template <class Result>
-  static constexpr int frag_floats() {
-    using Acc = std::decay_t<decltype(cute::get<0>(std::declval<Result>()))>;
-    using Lse = std::decay_t<decltype(cute::get<1>(std::declval<Result>()))>;
-    return int(cute::size(Acc{})) + int(cute::size(Lse{}));
-  }
-  template <class Result>
-  CUTLASS_DEVICE static float* tail_slot(float* ws, int cta, int wg) {
-    return ws + size_t(cta * NumMmaWarpGroups + wg) * frag_floats<Result>() *
-                    cutlass::NumThreadsPerWarpGroup;
-  }
-  template <class Result>
-  CUTLASS_DEVICE static uint32_t* tail_flag(float* ws, int cta, int wg) {
-    auto* flags = reinterpret_cast<uint32_t*>(
-        ws + size_t(gridDim.x) * NumMmaWarpGroups * frag_floats<Result>() *
-                 cutlass::NumThreadsPerWarpGroup);
-    return flags + (cta * NumMmaWarpGroups + wg) * cutlass::NumThreadsPerWarpGroup +
-           threadIdx.x % cutlass::NumThreadsPerWarpGroup;
-  }
-
-  template <class Result>
-  CUTLASS_DEVICE static void tail_write(typename TileScheduler::Params const& sp, int wg,
-                                        Result const& result) {
-    using namespace cute;
-    auto const& acc = get<0>(result);
-    auto const& lse = get<1>(result);
-    constexpr int kAcc = decltype(size(acc))::value;
-    constexpr int kT = cutlass::NumThreadsPerWarpGroup;
-    int const t = threadIdx.x % kT;
-    float* base = tail_slot<Result>(sp.ws, int(blockIdx.x), wg);
-    float const* a = raw_pointer_cast(acc.data());
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kAcc; ++e) __stcg(base + e * kT + t, a[e]);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(lse); ++i) __stcg(base + (kAcc + i) * kT + t, lse(i));
-    uint32_t* flag = tail_flag<Result>(sp.ws, int(blockIdx.x), wg);
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(flag), "r"(sp.epoch) : "memory");
-  }
-
-  // The owner: O and LSE merged with each partner's partial of the same rows (this thread's
-  // values against the same thread's of the partner's same warpgroup)
-  template <class Result>
-  CUTLASS_DEVICE static void tail_merge(typename TileScheduler::Params const& sp,
-                                        TileScheduler const& sched, int wg, Result& result) {
-    using namespace cute;
-    using cutlass::fmha::collective::layout_acc_mn;
-    auto& acc = get<0>(result);
-    auto& lse = get<1>(result);
-    constexpr int kAcc = decltype(size(acc))::value;
-    constexpr int kT = cutlass::NumThreadsPerWarpGroup;
-    int const t = threadIdx.x % kT;
-    typename CollectiveMainloop::TiledMmaPV tiled_mma;
-    Tensor acc_mn = make_tensor(acc.data(), layout_acc_mn(tiled_mma, acc.layout()));
-    for (int j = sched.first_partner(); j < int(blockIdx.x); ++j) {
-      if (!sched.has_units(j)) continue;
-      float const* base = tail_slot<Result>(sp.ws, j, wg);
-      uint32_t* flag = tail_flag<Result>(sp.ws, j, wg);
-      uint32_t seen;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
-      while (seen != sp.epoch) {  // (backing off: many owners poll L2 at the end)
-        __nanosleep(256);
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
-      }
-      *flag = 0u;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(acc_mn); ++i) {
-        float const lj = __ldcg(base + (kAcc + i) * kT + t);
-        float const li = lse(i);
-        float const m = ::fmaxf(li, lj);
-        float wi = __expf(li - m), wj = __expf(lj - m);
-        float const sum = wi + wj;
-        float const inv = 1.f / sum;
-        wi *= inv;
-        wj *= inv;
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(acc_mn); ++c) {
-          int const e = acc_mn.layout()(i, c);
-          acc_mn(i, c) = acc_mn(i, c) * wi + __ldcg(base + e * kT + t) * wj;
-        }
-        lse(i) = m + __logf(sum);
-      }
-    }
-  }
 
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
 #if defined(CUTLASS_ARCH_MMA_SM90A_ENABLED)
@@ -584,18 +483,10 @@ struct WarpSpecializedKernel
         CUTLASS_PRAGMA_NO_UNROLL
         for (; tile_scheduler.is_valid(); ++tile_scheduler) {
           auto blk_coord = tile_scheduler.get_block_coord();
-          if constexpr (kSplit) {
-            auto const seg = tile_scheduler.current();
-            collective_mainloop.load_kv_range(
-                block_rank_in_cluster, blk_coord, seg.begin, seg.end - seg.begin, params.mainloop,
-                params.problem_size, pipeline_inner, smem_pipe_write_inner,
-                storage.tensors.mainloop, storage.load_warp_barrier, do_barrier);
-          } else {
-            collective_mainloop.template load_kv_maybe_q<!kLoadsQSeparately>(
-                block_rank_in_cluster, blk_coord, params.mainloop, params.problem_size,
-                pipeline_inner, smem_pipe_write_inner, pipeline_outer, smem_pipe_write_outer,
-                storage.tensors.mainloop, storage.load_warp_barrier, do_barrier);
-          }
+          collective_mainloop.template load_kv_maybe_q<!kLoadsQSeparately>(
+              block_rank_in_cluster, blk_coord, params.mainloop, params.problem_size,
+              pipeline_inner, smem_pipe_write_inner, pipeline_outer, smem_pipe_write_outer,
+              storage.tensors.mainloop, storage.load_warp_barrier, do_barrier);
           do_barrier = false;
         }
         // In a cluster the other CTA's consumers release our stages too (its multicast loads
@@ -649,41 +540,12 @@ struct WarpSpecializedKernel
         auto& wg_block = get<wg_dim>(wg_coord);
         wg_block = NumMmaWarpGroups * wg_block + consumer_warp_group_idx;
 
-        auto result = [&]() {
-          if constexpr (kSplit) {
-            auto const seg = tile_scheduler.current();
-            return collective_mainloop.compute(
-                blk_coord, wg_coord, params.mainloop, params.problem_size, pipeline_inner,
-                smem_pipe_read_inner, pipeline_outer, smem_pipe_read_outer, pipeline_reducer,
-                smem_pipe_write_reducer, storage.tensors.mainloop, math_wg_order_barrier,
-                seg.begin, seg.end - seg.begin);
-          } else {
-            return collective_mainloop.compute(
-                blk_coord, wg_coord, params.mainloop, params.problem_size, pipeline_inner,
-                smem_pipe_read_inner, pipeline_outer, smem_pipe_read_outer, pipeline_reducer,
-                smem_pipe_write_reducer, storage.tensors.mainloop, math_wg_order_barrier);
-          }
-        }();
+        auto result = collective_mainloop.compute(
+            blk_coord, wg_coord, params.mainloop, params.problem_size, pipeline_inner,
+            smem_pipe_read_inner, pipeline_outer, smem_pipe_read_outer, pipeline_reducer,
+            smem_pipe_write_reducer, storage.tensors.mainloop, math_wg_order_barrier);
 
         smem_pipe_read_outer.advance(kOuterLoads * (NumMmaWarpGroups - consumer_warp_group_idx));
-
-        if constexpr (kSplit) {
-          auto const kind = tile_scheduler.current().kind;
-          if (kind == TileScheduler::kNonOwner) {  // a partial: no store
-            if constexpr (kEpilogueInTurn) math_wg_order_barrier.wait();
-            tail_write(params.tile_scheduler, consumer_warp_group_idx, result);
-            if constexpr (kOInQ) {
-              if (threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0) {
-                pipeline_outer.consumer_release(q_state);
-              }
-            }
-            if constexpr (kEpilogueInTurn) math_wg_order_barrier.arrive();
-            continue;
-          }
-          if (kind == TileScheduler::kOwner) {
-            tail_merge(params.tile_scheduler, tile_scheduler, consumer_warp_group_idx, result);
-          }
-        }
 
         if constexpr (kEpilogueInTurn) math_wg_order_barrier.wait();
         CollectiveEpilogue epilogue;

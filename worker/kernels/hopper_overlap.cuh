@@ -167,51 +167,6 @@ struct OverlapMainloop : Base {
     return rescale;
   }
 
-  // Key tiles k_begin, k_begin + 1, ... (TailSplitScheduler's segments)
-  struct KTiles {
-    int tile;
-    CUTLASS_DEVICE int operator*() const { return tile; }
-    CUTLASS_DEVICE KTiles& operator++() {
-      ++tile;
-      return *this;
-    }
-  };
-
-  // The example's load_kv_maybe_q<false> (CUTLASS 4.2, BSD-3-Clause, Copyright (c) 2024 - 2025
-  // NVIDIA CORPORATION & AFFILIATES; Q loaded by its own warp, no cluster) over key tiles
-  // [k_begin, k_begin + k_count) instead of all of them
-  template <class BlkCoord, class ProblemShape, class LoadWarpBarrier>
-  CUTLASS_DEVICE void load_kv_range(int block_rank_in_cluster, BlkCoord const& blk_coord,
-                                    int k_begin, int k_count, Params const& params,
-                                    ProblemShape const& problem_size, MainloopPipeline& pipeline,
-                                    PipelineState& smem_pipe_write, SharedStorage& storage,
-                                    LoadWarpBarrier& load_warp_barrier, bool do_barrier) {
-    int const lane_predicate = cute::elect_one_sync();
-    KTiles k_tile_iter{k_begin};
-    int k_tile_count = 2 * k_count;
-    typename Base::LoadK load_k{params.tma_load_k, pipeline, storage.smem_k};
-    auto load_state_k =
-        load_k.init_state(block_rank_in_cluster, problem_size, TileShapeQK{}, blk_coord, k_count);
-    typename Base::LoadV load_v{params.tma_load_v, pipeline, storage.smem_v};
-    auto load_state_v =
-        load_v.init_state(block_rank_in_cluster, problem_size, TileShapePV{}, blk_coord, k_count);
-    load_k.template step<false>(k_tile_iter, load_state_k, smem_pipe_write, lane_predicate,
-                                k_tile_count);
-    if (do_barrier) {
-      load_warp_barrier.arrive();
-      load_warp_barrier.wait(/*phase=*/0);
-    }
-    load_v.template step<true>(k_tile_iter, load_state_v, smem_pipe_write, lane_predicate,
-                               k_tile_count);
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (k_tile_count > 0) {
-      load_k.template step<false>(k_tile_iter, load_state_k, smem_pipe_write, lane_predicate,
-                                  k_tile_count);
-      load_v.template step<true>(k_tile_iter, load_state_v, smem_pipe_write, lane_predicate,
-                                 k_tile_count);
-    }
-  }
-
   template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer,
             class PipelineStateReducer, class MathWgOrderBarrier>
   CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord,
@@ -219,8 +174,7 @@ struct OverlapMainloop : Base {
                               MainloopPipeline& pipeline, PipelineState& smem_pipe_read,
                               MainloopPipelineQ& pipeline_q, PipelineStateQ& smem_pipe_read_q,
                               MainloopPipelineReducer&, PipelineStateReducer&,
-                              SharedStorage& storage, MathWgOrderBarrier& math_wg_order_barrier,
-                              int k_begin = 0, int k_count = -1) {
+                              SharedStorage& storage, MathWgOrderBarrier& math_wg_order_barrier) {
     using namespace cute;
     using cutlass::fmha::collective::gemm_zero_acc;
     using cutlass::fmha::collective::layout_acc_mn;
@@ -248,13 +202,6 @@ struct OverlapMainloop : Base {
     // warpgroup sees every tile: those kernels keep the example's count, and their code.
     int unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size);
     int total = unmasked + Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size);
-    if constexpr (!kWarpgroupTrips) {
-      if (k_count >= 0) {  // key tiles [k_begin, k_begin + k_count) only
-        total = k_count;
-        unmasked -= k_begin;
-        unmasked = unmasked < 0 ? 0 : (unmasked < total ? unmasked : total);
-      }
-    }
     int const cta_total = total;
     if constexpr (kWarpgroupTrips) {
       // (with ShiftRows the warpgroup's rows start row_shift earlier: a first block's may all
@@ -289,7 +236,6 @@ struct OverlapMainloop : Base {
     Tensor tPcP = thr_mma_qk.partition_C(cP);
     int m_block = get<0>(wg_coord);
     tPcP.data() = tPcP.data() + E<0>{} * m_block * get<0>(TileShapeQK{});
-    if (k_count >= 0) tPcP.data() = tPcP.data() + E<1>{} * k_begin * get<1>(TileShapeQK{});
 
     Tensor acc_pv = partition_fragment_C(tiled_mma_pv, take<0, 2>(TileShapePV{}));
     clear(acc_pv);
