@@ -695,9 +695,9 @@ ALL_SHAPES = {
 
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
     """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_ /
-    CAUSAL64_ / CAUSAL64W_ / BALANCE_SHAPES when HOPPER_BENCH_SHAPES is sweep / short / h128 /
-    h256 / long128 / causal64 / causal64w / balance (set by ``run --shapes``; the worker
-    processes inherit it)."""
+    CAUSAL64_ / CAUSAL64W_ / BALANCE_ / TAIL_SHAPES when HOPPER_BENCH_SHAPES is sweep / short /
+    h128 / h256 / long128 / causal64 / causal64w / balance / tail (set by ``run --shapes``; the
+    worker processes inherit it)."""
     chosen = os.environ.get("HOPPER_BENCH_SHAPES")
     table = {
         "sweep": SWEEP_SHAPES,
@@ -1585,8 +1585,8 @@ def main() -> int:
             "tail",
         ],
         default="main",
-        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_, CAUSAL64W_ or "
-        "BALANCE_SHAPES",
+        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_, CAUSAL64W_, BALANCE_ "
+        "or TAIL_SHAPES",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)
