@@ -693,24 +693,25 @@ ALL_SHAPES = {
 }
 
 
+#: the shape sets by ``run --shapes`` name (the argument's choices)
+SHAPE_SETS = {
+    "main": BENCH_SHAPES,
+    "sweep": SWEEP_SHAPES,
+    "short": SHORT_SHAPES,
+    "h128": H128_SHAPES,
+    "h256": H256_SHAPES,
+    "long128": LONG128_SHAPES,
+    "causal64": CAUSAL64_SHAPES,
+    "causal64w": CAUSAL64W_SHAPES,
+    "balance": BALANCE_SHAPES,
+    "tail": TAIL_SHAPES,
+}
+
+
 def shapes() -> list[tuple[str, int, int, int, int, int, bool, str]]:
-    """The benchmark's shapes: BENCH_SHAPES, or SWEEP_ / SHORT_ / H128_ / H256_ / LONG128_ /
-    CAUSAL64_ / CAUSAL64W_ / BALANCE_ / TAIL_SHAPES when HOPPER_BENCH_SHAPES is sweep / short /
-    h128 / h256 / long128 / causal64 / causal64w / balance / tail (set by ``run --shapes``; the
-    worker processes inherit it)."""
-    chosen = os.environ.get("HOPPER_BENCH_SHAPES")
-    table = {
-        "sweep": SWEEP_SHAPES,
-        "short": SHORT_SHAPES,
-        "h128": H128_SHAPES,
-        "h256": H256_SHAPES,
-        "long128": LONG128_SHAPES,
-        "causal64": CAUSAL64_SHAPES,
-        "causal64w": CAUSAL64W_SHAPES,
-        "balance": BALANCE_SHAPES,
-        "tail": TAIL_SHAPES,
-    }
-    return table.get(chosen or "", BENCH_SHAPES)
+    """The benchmark's shapes: SHAPE_SETS[HOPPER_BENCH_SHAPES], BENCH_SHAPES when unset (set by
+    ``run --shapes``; the worker processes inherit it)."""
+    return SHAPE_SETS.get(os.environ.get("HOPPER_BENCH_SHAPES") or "main", BENCH_SHAPES)
 
 
 def _setup_runtime() -> tuple[Any, Any]:
@@ -1572,21 +1573,9 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=240.0, help="seconds for both phases")
     r.add_argument(
         "--shapes",
-        choices=[
-            "main",
-            "sweep",
-            "short",
-            "h128",
-            "h256",
-            "long128",
-            "causal64",
-            "causal64w",
-            "balance",
-            "tail",
-        ],
+        choices=list(SHAPE_SETS),
         default="main",
-        help="BENCH_, SWEEP_, SHORT_, H128_, H256_, LONG128_, CAUSAL64_, CAUSAL64W_, BALANCE_ "
-        "or TAIL_SHAPES",
+        help="a set of SHAPE_SETS",
     )
     w = sub.add_parser("worker")
     w.add_argument("--dir", type=Path, required=True)
