@@ -288,8 +288,11 @@ def catalog() -> list[Slot]:
     # TailSplitScheduler, -DSTACKFUSE_TAIL_SPLIT=1 on overlap_128x128 at head dims 128 and 32,
     # overlap3_192x128 and overlapoq_128x64. 1.6-3.8% faster than the same code without the
     # split, but that code ran at 0.85-0.96x the shipped kernels' speed; not kept, commit
-    # dbe5b74. Commit a24f6a1 has it with 32-bit range arithmetic, no spills and no calls;
-    # not measured yet)
+    # dbe5b74. Commit a24f6a1 has it with 32-bit range arithmetic, no spills and no calls:
+    # run 131, 0.94-0.99x the shipped kernels, its no-split control 0.95-0.97x; not kept)
+    # (session 21, run 134: -Xptxas=--register-usage-level=N, N in 0, 2, 8, 10, on
+    # overlap_128x128 at head dim 128 and overlap3_192x128 at 64: 0.97-1.01x the default
+    # level per round, none ahead at every shape; not kept)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
