@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     validate_timeout_s: int = 300
     validate_cpu_s: int = 300
     validate_memory_bytes: int = 64 * GiB
+
+    @field_validator("data_dir", "kernel_cache_dir")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        """Absolute from the start: nvcc and the validation child run in other directories, so a
+        relative default (``.stackfuse-data``) would name a different place there."""
+        return path.expanduser().absolute() if path is not None else None
 
     def resolved_kernel_cache_dir(self) -> Path:
         return self.kernel_cache_dir or (self.data_dir / "kernels")

@@ -1,0 +1,27 @@
+"""Settings: the paths every process must agree on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.settings import Settings
+
+
+def test_relative_paths_become_absolute_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nvcc runs in the kernel's shard directory: a relative cache path named a file that did not
+    # exist there, and every cold compile under the default data dir failed
+    monkeypatch.chdir(tmp_path)
+    for name in ("STACKFUSE_DATA_DIR", "STACKFUSE_KERNEL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    s = Settings()
+    assert s.data_dir == tmp_path / ".stackfuse-data"
+    assert s.resolved_kernel_cache_dir() == tmp_path / ".stackfuse-data" / "kernels"
+    monkeypatch.setenv("STACKFUSE_KERNEL_CACHE_DIR", "cache")
+    monkeypatch.setenv("STACKFUSE_DATA_DIR", "~/d")
+    s = Settings()
+    assert s.resolved_kernel_cache_dir() == tmp_path / "cache"
+    assert s.data_dir == Path.home() / "d"
