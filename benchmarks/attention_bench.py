@@ -11,14 +11,27 @@ Per shape (fp16, stacked ``qkv[B, S, 3*N*H]``):
   the fastest of its backends (flash, efficient, cudnn, math) for that shape: their best path.
 
 Two times per way: *call* latency as a user calls it (CUDA events around back-to-back calls, the
-median of repeats) and *kernel* time from the profiler (sum of GPU kernel durations per call,
-20 calls), the median of ROUNDS rounds that each time every way once (order rotated).
+median of repeats) and *kernel* time from the profiler (sum of GPU kernel durations per call),
+the median of ROUNDS rounds that each time every way once (order rotated). In a round, a way
+runs back to back for about PREROLL_S untimed, then 20 timed calls (*kernel_s*, its own steady
+state); the first 20 calls of that stream, right after the way before it, are kept too
+(*kernel_s_after_switch*, what the harness timed up to session 21). At the long shapes both
+kernels run at the card's power limit, and calls timed right after a lighter way borrow its
+power headroom: session 20's rounds spread by 12% by predecessor.
 FLOPs = 4*B*S*S*N*H (halved for causal). Results: benchmarks/results/attention_bench.{json,md}.
+
+    python -m benchmarks.attention_bench power OUT_DIR [SHAPES]   # on the GPU, long shapes
+
+``power``: ours and SDPA (default, cuDNN) under sustained load: each after an idle pause, the
+time of every launch for a second (how clocks move), then alternating windows of a few seconds
+with NVML's energy counter (time and energy per launch). Results: attention_power.{json,md}.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 import sys
 import time
@@ -26,6 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.hopper_kernel import ROUNDS, rotated_rounds, warm_clocks
+
+CALLS = 20  # timed calls per way per round
+PREROLL_S = 0.2  # untimed calls before them, in seconds of that way's work ...
+PREROLL_MAX_CALLS = 400  # ... at most this many (short shapes are launch-bound, not power-bound)
+SLOW_CALL_S = 0.05  # a way slower than this per call (not offloaded) is timed once, not in rounds
 
 SHAPES: list[dict[str, Any]] = [
     {"name": "b8_s2048_n16_h128", "b": 8, "s": 2048, "n": 16, "h": 128},
@@ -150,6 +168,36 @@ def _time_calls(fn: Any, torch: Any, *, reps: int, inner: int) -> float:
     return statistics.median(samples)
 
 
+def _gpu_events(prof: Any) -> list[tuple[float, float]]:
+    """(start us, duration us) of every GPU activity the profiler saw (kernels, copies)."""
+    out = []
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
+            dur = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            out.append((float(evt.time_range.start), float(dur)))
+    return out
+
+
+def first_and_last(
+    events: list[tuple[float, float]], total_calls: int, calls: int
+) -> tuple[float, float]:
+    """GPU seconds per call of the first and of the last ``calls`` of ``total_calls`` calls
+    made back to back, from their GPU events (any number per call, the same for each)."""
+    if not events or total_calls < calls:
+        raise ValueError(f"{len(events)} GPU events for {total_calls} calls")
+    ev = sorted(events)
+    n = max(1, round(len(ev) * calls / total_calls))
+    return (
+        sum(d for _, d in ev[:n]) / calls / 1e6,
+        sum(d for _, d in ev[-n:]) / calls / 1e6,
+    )
+
+
+def preroll_calls(call_s: float) -> int:
+    """Untimed calls before a way's timed ones: about PREROLL_S of its work, at least CALLS."""
+    return max(CALLS, min(PREROLL_MAX_CALLS, math.ceil(PREROLL_S / max(call_s, 1e-7))))
+
+
 def _kernel_time(fn: Any, torch: Any, calls: int = 5) -> float:
     """Seconds of GPU kernel time per call, from the profiler (CUPTI)."""
     from torch.profiler import ProfilerActivity, profile
@@ -160,20 +208,32 @@ def _kernel_time(fn: Any, torch: Any, calls: int = 5) -> float:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    total_us = 0.0
-    for evt in prof.events():
-        if getattr(evt, "device_type", None) is not None and "CUDA" in str(evt.device_type):
-            total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
-    return total_us / 1e6 / calls
+    return sum(d for _, d in _gpu_events(prof)) / 1e6 / calls
 
 
-def _kernel_rounds(ways: dict[str, Any], torch: Any, calls: int = 20) -> dict[str, list[float]]:
-    """Per way, ROUNDS samples of GPU kernel seconds per call, in the kernel benchmark's order
-    (``rotated_rounds``), after the kernel benchmark's warm-up (``warm_clocks``)."""
+def _kernel_stream(fn: Any, torch: Any, pre: int) -> tuple[float, float]:
+    """(after switch, steady): GPU seconds per call of the first and the last CALLS calls of
+    ``pre`` + CALLS made back to back in one profiled stream, with no sync between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(pre + CALLS):
+            fn()
+        torch.cuda.synchronize()
+    return first_and_last(_gpu_events(prof), pre + CALLS, CALLS)
+
+
+def _kernel_rounds(
+    ways: dict[str, Any], call_s: dict[str, float], torch: Any
+) -> dict[str, dict[str, list[float]]]:
+    """Per way, ROUNDS samples of (``after_switch``, ``steady``) GPU seconds per call, in the
+    kernel benchmark's order (``rotated_rounds``), after its warm-up (``warm_clocks``)."""
     warm_clocks(torch, [lambda _i, fn=fn: fn() for fn in ways.values()])
-    out: dict[str, list[float]] = {n: [] for n in ways}
+    out: dict[str, dict[str, list[float]]] = {n: {"after_switch": [], "steady": []} for n in ways}
     for _rnd, name in rotated_rounds(list(ways)):
-        out[name].append(_kernel_time(ways[name], torch, calls=calls))
+        first, last = _kernel_stream(ways[name], torch, preroll_calls(call_s[name]))
+        out[name]["after_switch"].append(first)
+        out[name]["steady"].append(last)
     return out
 
 
@@ -233,54 +293,64 @@ def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
                     return sdpa()
 
             forced[backend.name] = alone
-        row: dict[str, Any] = {"shape": shape["name"], "flops": flops(shape), "rounds": ROUNDS}
+        row: dict[str, Any] = {
+            "shape": shape["name"],
+            "flops": flops(shape),
+            "rounds": ROUNDS,
+            "calls": CALLS,
+            "preroll_s": PREROLL_S,
+        }
         with tvm_ffi.use_torch_stream():
             ref = ways["sdpa"]().transpose(1, 2)
             usable: dict[str, Any] = {}  # fast ways that ran: timed in rounds below
+            call_s: dict[str, float] = {}
             for way, fn in ways.items():
-                slow = way == "tvm_unfused"
-                reps, inner = (3, 1) if slow and big else (5, 3) if slow else (10, 20)
                 try:
                     out = fn()
                     got = torch.from_dlpack(out) if way != "sdpa" else out.transpose(1, 2)
                     err = float((got.float() - ref.float()).abs().max())
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn()
+                    torch.cuda.synchronize()
+                    # TVM alone, or a site the way could not offload (GQA on the SM80 kernel)
+                    slow = way == "tvm_unfused" or time.perf_counter() - t0 > SLOW_CALL_S
+                    reps, inner = (3, 1) if slow and big else (5, 3) if slow else (10, 20)
                     call = _time_calls(fn, torch, reps=reps, inner=inner)
                     row[way] = {"call_s": call, "max_abs_err_vs_sdpa": err}
                     if slow:  # far from the others: one measurement is enough
                         row[way]["kernel_s"] = _kernel_time(fn, torch, calls=1)
                     else:
-                        usable[way] = fn
+                        usable[way], call_s[way] = fn, call
                 except Exception as exc:
                     row[way] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             for name, fn in forced.items():
                 try:
-                    fn()
+                    call_s[name] = _time_calls(fn, torch, reps=3, inner=5)
                     usable[name] = fn
                 except Exception as exc:
                     row.setdefault("sdpa_backend_errors", {})[name] = str(exc)[:200]
-            kernel = _kernel_rounds(usable, torch)
+            kernel = _kernel_rounds(usable, call_s, torch)
             for way, samples in kernel.items():
                 if way in forced:
                     continue
-                row[way]["kernel_s"] = statistics.median(samples)
-                row[way]["kernel_s_rounds"] = samples
+                row[way].update(_kernel_fields(samples), preroll_calls=preroll_calls(call_s[way]))
             best: tuple[float, str] | None = None
             for name in forced:
                 if name not in kernel:
                     continue
-                k = statistics.median(kernel[name])
+                k = statistics.median(kernel[name]["steady"])
                 if best is None or k < best[0]:
                     best = (k, name)
                     t = _time_calls(forced[name], torch, reps=10, inner=20)
                     row["sdpa_best"] = {
                         "backend": name,
                         "call_s": t,
-                        "kernel_s": k,
-                        "kernel_s_rounds": kernel[name],
+                        **_kernel_fields(kernel[name]),
+                        "preroll_calls": preroll_calls(call_s[name]),
                         "call_tflops": row["flops"] / t / 1e12,
-                        "kernel_tflops": row["flops"] / k / 1e12,
                     }
-            for way in ways:
+            for way in [*ways, "sdpa_best"]:
                 r = row.get(way, {})
                 if "kernel_s" in r:
                     r["call_tflops"] = row["flops"] / r["call_s"] / 1e12
@@ -303,40 +373,79 @@ def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
     return doc
 
 
-def sdpa_best_kernel_s(row: dict[str, Any]) -> float:
+def _kernel_fields(samples: dict[str, list[float]]) -> dict[str, Any]:
+    return {
+        "kernel_s": statistics.median(samples["steady"]),
+        "kernel_s_rounds": samples["steady"],
+        "kernel_s_after_switch": statistics.median(samples["after_switch"]),
+        "kernel_s_after_switch_rounds": samples["after_switch"],
+    }
+
+
+def sdpa_best_kernel_s(row: dict[str, Any], key: str = "kernel_s") -> float:
     """SDPA's fastest kernel time at a shape: its default or any backend forced alone."""
-    return min(row[w]["kernel_s"] for w in ("sdpa", "sdpa_best") if "kernel_s" in row.get(w, {}))
+    return min(row[w][key] for w in ("sdpa", "sdpa_best") if key in row.get(w, {}))
+
+
+def kernel_ratio(row: dict[str, Any], key: str = "kernel_s") -> float | None:
+    """SDPA's fastest kernel time / ours (``key``: ``kernel_s`` or ``kernel_s_after_switch``)."""
+    ours = row.get("stackfuse", {})
+    if key not in ours or not any(key in row.get(w, {}) for w in ("sdpa", "sdpa_best")):
+        return None
+    return sdpa_best_kernel_s(row, key) / ours[key]
 
 
 def add_ratios(row: dict[str, Any]) -> None:
-    """Per way: SDPA's fastest kernel time / ours, and SDPA's default call latency / ours."""
+    """Per way: SDPA's fastest kernel time / ours (steady, and right after a switch), and
+    SDPA's default call latency / ours."""
     for way in ("stackfuse", "stackfuse_sm80", "tvm_unfused"):
         ours = row.get(way, {})
         if "kernel_s" in ours and "kernel_s" in row.get("sdpa", {}):
             ours["kernel_ratio_vs_sdpa_best"] = sdpa_best_kernel_s(row) / ours["kernel_s"]
             ours["call_ratio_vs_sdpa"] = row["sdpa"]["call_s"] / ours["call_s"]
+        key = "kernel_s_after_switch"
+        if key in ours and key in row.get("sdpa", {}):
+            ours["kernel_ratio_after_switch_vs_sdpa_best"] = (
+                sdpa_best_kernel_s(row, key) / ours[key]
+            )
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
-    import math
-
+    rows = doc["rows"]
+    first = rows[0] if rows else {}
+    steady = "preroll_s" in first  # results from session 22 on; older ones timed after a switch
+    how = (
+        f"the median of {first.get('rounds', '?')} rounds; in each round every way runs back to "
+        f"back for ~{first.get('preroll_s', 0) * 1e3:.0f} ms untimed (at most "
+        f"{PREROLL_MAX_CALLS} calls), then {first.get('calls', CALLS)} timed calls"
+        if steady
+        else f"the median of {first.get('rounds', '?')} rounds of 20 calls, each round timing "
+        "every way once"
+    )
     lines = [
         f"# Stacked attention on {doc['device']} ({doc['date']})",
         "",
         f"Command: `{doc['command']}` (torch {doc.get('torch', '?')}). fp16, stacked",
-        "`qkv[B, S, (Nq + 2 Nkv) H]`. Each cell: kernel TFLOP/s (torch.profiler, CUPTI; the",
-        f"median of {doc['rows'][0].get('rounds', 1) if doc['rows'] else '?'} rounds of 20 calls, "
-        "each round timing every way once) / call",
-        "latency in us (CUDA events around back-to-back calls, as a user calls it).",
+        "`qkv[B, S, (Nq + 2 Nkv) H]`. Each cell: kernel TFLOP/s (torch.profiler, CUPTI;",
+        f"{how}) / call latency in us (CUDA events around back-to-back calls, as a user calls it).",
         "*kernel ratio* = SDPA's fastest kernel time (default or any backend forced alone) /",
         "ours; *call ratio* = SDPA default call latency / ours. > 1: we are faster.",
+    ]
+    if steady:
+        lines += [
+            "*after switch*: the kernel ratio over the first calls of each way's stream, right",
+            "after the way before it in the round (the harness up to session 21). At the long",
+            "shapes both kernels run at the card's power limit, and calls right after a lighter",
+            "way run on its power headroom; each way's own steady state is the headline.",
+        ]
+    lines += [
         "",
         "| shape | stackfuse (chosen kernel) | stackfuse (SM80 kernel) | TVM unfused "
-        "| SDPA default | SDPA forced backend | kernel ratio | call ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| SDPA default | SDPA forced backend | kernel ratio | after switch | call ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    ratios = []
-    for r in doc["rows"]:
+    ratios: dict[str, list[float]] = {"kernel_s": [], "kernel_s_after_switch": []}
+    for r in rows:
 
         def cell(way: str, r: dict[str, Any] = r) -> str:
             x = r.get(way, {})
@@ -346,33 +455,260 @@ def to_markdown(doc: dict[str, Any]) -> str:
             return f"{kt:.1f} / {x['call_s'] * 1e6:.1f}" if kt else f"- / {x['call_s'] * 1e6:.1f}"
 
         ours = r.get("stackfuse", {})
-        kratio = sdpa_best_kernel_s(r) / ours["kernel_s"] if "kernel_s" in ours else None
+        kr = {key: kernel_ratio(r, key) for key in ratios}
+        for key, x in kr.items():
+            if x:
+                ratios[key].append(x)
         cratio = r["sdpa"]["call_s"] / ours["call_s"] if "call_s" in ours else None
-        if kratio:
-            ratios.append(kratio)
         backend = r.get("sdpa_best", {}).get("backend", "?").replace("_ATTENTION", "").lower()
+        switch = kr["kernel_s_after_switch"]
         lines.append(
             f"| {r['shape']} | {cell('stackfuse')} | {cell('stackfuse_sm80')} | "
             f"{cell('tvm_unfused')} | {cell('sdpa')} | {cell('sdpa_best')} ({backend}) | "
-            f"{kratio:.2f}x | {cratio:.2f}x |"
-            if kratio and cratio
-            else f"| {r['shape']} | {cell('stackfuse')} | - | - | - | - | - | - |"
+            f"{kr['kernel_s']:.2f}x | {f'{switch:.2f}x' if switch else '-'} | {cratio:.2f}x |"
+            if kr["kernel_s"] and cratio
+            else f"| {r['shape']} | {cell('stackfuse')} | - | - | - | - | - | - | - |"
         )
-    if ratios:
-        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    for key, label in (
+        ("kernel_s", "Kernel-time geometric mean vs SDPA's fastest"),
+        ("kernel_s_after_switch", "After a switch"),
+    ):
+        xs = ratios[key]
+        if xs:
+            geo = math.exp(sum(math.log(x) for x in xs) / len(xs))
+            lines += [
+                "",
+                f"{label}: {geo:.3f}x (min {min(xs):.2f}x, max {max(xs):.2f}x, "
+                f"{sum(x >= 1 for x in xs)} of {len(xs)} shapes >= 1.0x).",
+            ]
+    if ratios["kernel_s"]:
         lines += [
             "",
-            f"Kernel-time geometric mean vs SDPA's fastest: {geo:.3f}x "
-            f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x).",
-            "",
             "The SM80 kernel takes no GQA: forced onto it, the GQA site is not offloaded and that",
-            "column is TVM alone. Differences under ~5% are within run-to-run noise (the same",
-            "kernel measured 645 and 609 TFLOP/s in two sessions).",
+            "column is TVM alone (timed once, as TVM unfused is). Differences under ~3% are",
+            "within run-to-run noise at the power-bound shapes.",
         ]
-    runs = [(r["shape"], r["run"]) for r in doc["rows"] if r.get("run")]
+    runs = [(r["shape"], r["run"]) for r in rows if r.get("run")]
     if runs:  # a table merged from several runs (`markdown`): say which row came from which
         lines += ["", "Rows from more than one run (each row's ways side by side in one run):"]
         lines += [f"- {shape}: {run}" for shape, run in runs]
+    return "\n".join(lines) + "\n"
+
+
+POWER_SHAPES = ["b4_s4096_n32_h128", "b8_s2048_n16_h128", "b2_s8192_n16_h64"]
+IDLE_S = 0.5  # pause before each trajectory: the card drops to idle clocks and cools its budget
+TRAJECTORY_S = 1.0
+BINS_MS = (0, 5, 20, 50, 100, 200, 500, 1000)
+WINDOWS, WINDOW_S = 3, 2.0  # alternating windows per method for the energy counter
+
+
+class Nvml:
+    """The NVML readings the power probe needs, for GPU 0, through ctypes (no extra package)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.ct = ctypes
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self.lib.nvmlInit_v2() != 0:
+            raise RuntimeError("nvmlInit failed")
+        self.dev = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.dev)) != 0:
+            raise RuntimeError("no NVML handle for GPU 0")
+
+    def energy_mj(self) -> int:
+        v = self.ct.c_ulonglong()
+        self.lib.nvmlDeviceGetTotalEnergyConsumption(self.dev, self.ct.byref(v))
+        return v.value
+
+    def sm_mhz(self) -> int:
+        v = self.ct.c_uint()
+        self.lib.nvmlDeviceGetClockInfo(self.dev, 1, self.ct.byref(v))  # NVML_CLOCK_SM
+        return v.value
+
+    def power_w(self) -> float:
+        v = self.ct.c_uint()
+        self.lib.nvmlDeviceGetPowerUsage(self.dev, self.ct.byref(v))  # mW
+        return v.value / 1000
+
+
+def bin_medians(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Median value per time bin (BINS_MS) of (ms, value) points."""
+    out = {}
+    for lo, hi in itertools.pairwise(BINS_MS):
+        vals = [v for t, v in points if lo <= t < hi]
+        if vals:
+            out[f"{lo}-{hi} ms"] = statistics.median(vals)
+    return out
+
+
+def _trajectory(fn: Any, torch: Any, nvml: Nvml, call_s: float) -> dict[str, Any]:
+    """After IDLE_S idle, ~TRAJECTORY_S of back-to-back calls: each launch's time (CUDA
+    events between calls) and the SM clock sampled on the side, both by time since the start."""
+    import threading
+
+    time.sleep(IDLE_S)
+    n = max(CALLS, math.ceil(TRAJECTORY_S / call_s))
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+    clocks: list[tuple[float, float]] = []
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def sample() -> None:
+        while not done.is_set():
+            clocks.append(((time.perf_counter() - t0) * 1e3, float(nvml.sm_mhz())))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    events[0].record()
+    for e in events[1:]:
+        fn()
+        e.record()
+    events[-1].synchronize()
+    done.set()
+    sampler.join()
+    at, launches = 0.0, []
+    for a, b in itertools.pairwise(events):
+        dt = a.elapsed_time(b)
+        launches.append((at, dt * 1e3))
+        at += dt
+    return {
+        "launches": n,
+        "launch_us_by_time": bin_medians(launches),
+        "sm_mhz_by_time": bin_medians(clocks),
+    }
+
+
+def _window(fn: Any, torch: Any, nvml: Nvml, chunk: int, seconds: float) -> dict[str, float]:
+    """``fn`` back to back for ~``seconds``: time and energy per launch, median clock/power."""
+    torch.cuda.synchronize()
+    e0, t0, n = nvml.energy_mj(), time.perf_counter(), 0
+    clocks, powers = [], []
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(chunk):
+            fn()
+        torch.cuda.synchronize()
+        n += chunk
+        clocks.append(nvml.sm_mhz())
+        powers.append(nvml.power_w())
+    e1, t1 = nvml.energy_mj(), time.perf_counter()
+    return {
+        "launches": n,
+        "us_per_launch": (t1 - t0) / n * 1e6,
+        "mj_per_launch": (e1 - e0) / n,
+        "sm_mhz_median": statistics.median(clocks),
+        "power_w_median": statistics.median(powers),
+    }
+
+
+def power(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
+    """Ours (the module, chosen kernel) against SDPA's default and cuDNN under sustained load."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from worker.toolchain import import_tvm
+
+    tvm = import_tvm()
+    import tvm_ffi
+    from tvm.runtime.vm import VirtualMachine
+
+    nvml = Nvml()
+    dev = tvm.cuda(0)
+    rows = []
+    for shape in (sh for sh in SHAPES if sh["name"] in (names or POWER_SHAPES)):
+        b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
+        n_kv = shape.get("n_kv", n)
+        causal = shape.get("causal") is not None
+        qkv = (torch.randn(b, s, (n + 2 * n_kv) * h, device="cuda") * 0.5).half()
+        vm = VirtualMachine(
+            tvm.runtime.load_module(str(out_dir / shape["name"] / "stackfuse" / "model.so")), dev
+        )
+        arg, main = tvm.runtime.from_dlpack(qkv), vm["main"]
+        q, k, v = qkv.split([n * h, n_kv * h, n_kv * h], dim=2)
+        q = q.view(b, s, n, h).transpose(1, 2)
+        k, v = (t.view(b, s, n_kv, h).transpose(1, 2) for t in (k, v))
+
+        def sdpa(q: Any = q, k: Any = k, v: Any = v, c: bool = causal, g: bool = n_kv != n) -> Any:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=g)
+
+        def cudnn(sdpa: Any = sdpa) -> Any:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return sdpa()
+
+        def ours(main: Any = main, arg: Any = arg) -> Any:
+            return main(arg)
+
+        ways: dict[str, Any] = {"stackfuse": ours, "sdpa": sdpa, "sdpa_cudnn": cudnn}
+        row: dict[str, Any] = {"shape": shape["name"], "flops": flops(shape)}
+        with tvm_ffi.use_torch_stream():
+            call_s = {w: _time_calls(fn, torch, reps=3, inner=10) for w, fn in ways.items()}
+            chunk = max(1, math.ceil(0.02 / min(call_s.values())))  # ~20 ms between readings
+            row["trajectories"] = [
+                {"round": rnd, "way": w, **_trajectory(ways[w], torch, nvml, call_s[w])}
+                for rnd, w in rotated_rounds(list(ways), rounds=2)
+            ]
+            for fn in ways.values():
+                _window(fn, torch, nvml, chunk, 1.0)  # warm-up: clocks and temperature settle
+            row["windows"] = [
+                {"round": rnd, "way": w, **_window(ways[w], torch, nvml, chunk, WINDOW_S)}
+                for rnd, w in rotated_rounds(list(ways), rounds=WINDOWS)
+            ]
+        row["summary"] = {
+            w: {
+                key: statistics.median(x[key] for x in row["windows"] if x["way"] == w)
+                for key in ("us_per_launch", "mj_per_launch", "sm_mhz_median", "power_w_median")
+            }
+            for w in ways
+        }
+        rows.append(row)
+        print(json.dumps({"shape": row["shape"], **row["summary"]}), flush=True)
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.attention_bench power <libs>",
+        "idle_s": IDLE_S,
+        "window_s": WINDOW_S,
+        "rows": rows,
+    }
+    (out_dir / "attention_power.json").write_text(json.dumps(doc, indent=1))
+    (out_dir / "attention_power.md").write_text(power_markdown(doc))
+    print(power_markdown(doc))
+    return doc
+
+
+def power_markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# Sustained load: ours and SDPA on {doc['device']} ({doc['date']})",
+        "",
+        f"Command: `{doc['command']}` (torch {doc['torch']}). Per shape, after {doc['idle_s']} s",
+        "idle, each way's launch time (median per time bin, us) and SM clock (MHz) over its",
+        f"first second; then alternating {doc['window_s']} s windows per way, NVML energy.",
+    ]
+    for r in doc["rows"]:
+        ways = list(r["summary"])
+        bins = list(r["trajectories"][0]["launch_us_by_time"])
+        lines += ["", f"## {r['shape']}", "", "| way | " + " | ".join(bins) + " |"]
+        lines.append("|---" * (len(bins) + 1) + "|")
+        for t in r["trajectories"]:
+            cells = [
+                f"{t['launch_us_by_time'].get(bn, 0):.0f} us, "
+                f"{t['sm_mhz_by_time'].get(bn, 0):.0f} MHz"
+                for bn in bins
+            ]
+            lines.append(f"| {t['way']} (round {t['round']}) | " + " | ".join(cells) + " |")
+        lines += ["", "| way | us / launch | mJ / launch | SM MHz | W | TFLOP/s | vs ours |"]
+        lines.append("|---|---|---|---|---|---|---|")
+        ours = r["summary"][ways[0]]["us_per_launch"]
+        for w in ways:
+            x = r["summary"][w]
+            lines.append(
+                f"| {w} | {x['us_per_launch']:.1f} | {x['mj_per_launch']:.0f} | "
+                f"{x['sm_mhz_median']:.0f} | {x['power_w_median']:.0f} | "
+                f"{r['flops'] / x['us_per_launch'] / 1e6:.1f} | {x['us_per_launch'] / ours:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -381,6 +717,8 @@ def main(argv: list[str]) -> int:
     names = argv[2:] or None
     if cmd == "build":
         build(out, names)
+    elif cmd == "power":
+        power(out, names)
     elif cmd == "markdown":  # regenerate the table from a results file
         Path(argv[2]).write_text(to_markdown(json.loads(out.read_text())))
     else:
