@@ -141,6 +141,49 @@ def share_kernels(mod: tvm.IRModule, symbol_of: dict[str, str]) -> tvm.IRModule:
     return out
 
 
+def _heads(expr: relax.Expr) -> int | None:
+    """The head count (axis 2 of ``[B, S, N, H]``) of an attention operand, when static."""
+    shape = getattr(getattr(expr, "ty", None), "shape", None)
+    values = getattr(shape, "values", None)
+    if values is None or len(values) != 4 or not isinstance(values[2], tvm.tirx.IntImm):
+        return None
+    return int(values[2])
+
+
+def expand_kv_heads(mod: tvm.IRModule) -> tvm.IRModule:
+    """Repeat K and V up to the query heads at every GQA/MQA attention left to TVM.
+
+    TVM legalizes ``R.nn.attention`` as if K and V had as many heads as Q: with fewer (GQA/MQA)
+    it reads past them and returns wrong values. Sites that our kernels took are extern calls by
+    now; the rest (an arch or a check the GQA kernel lacks, and the validation reference, which
+    is TVM alone) get ``repeat`` first: query head i reads key/value head i // (Nq / Nkv), as
+    our Hopper kernel and PyTorch's ``enable_gqa`` do.
+    """
+    ops = {ir.Op.get("relax.nn.attention"), ir.Op.get("relax.nn.attention_bias")}
+
+    @relax.expr_functor.mutator
+    class _Expand(relax.PyExprMutator):
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            call = super().visit_call_(call)
+            if call.op not in ops:
+                return call
+            q, k, v, *rest = call.args
+            nq, nk, nv = (_heads(x) for x in (q, k, v))
+            if nq is None or nk is None or nv is None or (nk == nq and nv == nq):
+                return call
+            # TVM's shape inference has already refused head counts that do not divide
+            k = self.builder_.emit(relax.op.repeat(k, nq // nk, axis=2))
+            v = self.builder_.emit(relax.op.repeat(v, nq // nv, axis=2))
+            return relax.Call(call.op, [q, k, v, *rest], call.attrs, call.ty_args, call.span)
+
+    out = tvm.IRModule({}, attrs=mod.attrs) if mod.attrs is not None else tvm.IRModule({})
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function) and not (func.attrs and "Codegen" in func.attrs):
+            func = _Expand(mod).visit_expr(func)
+        out[gv] = func
+    return out
+
+
 def _linker(chain: Toolchain, settings: Settings) -> Callable[..., None]:
     def link(output: str, objects: list[str], **_: Any) -> None:
         cxx = os.environ.get("CXX", "g++")
@@ -206,7 +249,7 @@ def build_library(
     _ARCH.append(arch)
     _SETTINGS.append(settings)
     try:
-        mod = relax.transform.RunCodegen()(mod)
+        mod = expand_kv_heads(relax.transform.RunCodegen()(mod))
         with target:
             executable = tvm.compile(mod, target=target)
         if on_stage:
@@ -223,4 +266,4 @@ def build_library(
     return out_path
 
 
-__all__ = ["COMMON_FLAGS", "build_library", "share_kernels"]
+__all__ = ["COMMON_FLAGS", "build_library", "expand_kv_heads", "share_kernels"]
