@@ -29,6 +29,7 @@ with NVML's energy counter (time and energy per launch). Results: attention_powe
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
@@ -237,62 +238,73 @@ def _kernel_rounds(
     return out
 
 
-def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
-    import torch
+def _stacked_input(shape: dict[str, Any], torch: Any) -> Any:
+    n_kv = shape.get("n_kv", shape["n"])
+    cols = (shape["n"] + 2 * n_kv) * shape["h"]
+    return (torch.randn(shape["b"], shape["s"], cols, device="cuda") * 0.5).half()
+
+
+def _module_call(lib: Path, qkv: Any, tvm: Any, dev: Any) -> Any:
+    """A compiled library's ``main`` on ``qkv``, as a user calls it."""
+    from tvm.runtime.vm import VirtualMachine
+
+    fn = VirtualMachine(tvm.runtime.load_module(str(lib)), dev)["main"]
+    arg = tvm.runtime.from_dlpack(qkv)
+    return lambda: fn(arg)
+
+
+def _sdpa_calls(shape: dict[str, Any], qkv: Any) -> tuple[Any, dict[str, Any]]:
+    """SDPA on views of ``qkv`` (split and view in the call, as a user writes it): its default
+    backend, and each of flash, efficient and cuDNN forced alone, by backend name."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
+    n_kv = shape.get("n_kv", n)
+    causal = shape.get("causal") is not None
+
+    def sdpa() -> Any:
+        q, k, v = qkv.split([n * h, n_kv * h, n_kv * h], dim=2)
+        q = q.view(b, s, n, h).transpose(1, 2)
+        k, v = (t.view(b, s, n_kv, h).transpose(1, 2) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=n_kv != n)
+
+    forced: dict[str, Any] = {}
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+    ):
+
+        def alone(backend: Any = backend) -> Any:
+            with sdpa_kernel([backend]):
+                return sdpa()
+
+        forced[backend.name] = alone
+    return sdpa, forced
+
+
+def run(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
+    import torch
 
     from worker.toolchain import import_tvm
 
     tvm = import_tvm()
     import tvm_ffi
-    from tvm.runtime.vm import VirtualMachine
 
     dev = tvm.cuda(0)
     rows = []
     for shape in SHAPES:
         if names and shape["name"] not in names:
             continue
-        b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
-        n_kv = shape.get("n_kv", n)
-        causal = shape.get("causal") is not None
+        b, s, n = shape["b"], shape["s"], shape["n"]
         big = b * s * s * n > 4e9
-        qkv = (torch.randn(b, s, (n + 2 * n_kv) * h, device="cuda") * 0.5).half()
-        ways: dict[str, Any] = {}
-        for way in WAYS:
-            lib = out_dir / shape["name"] / way / "model.so"
-            vm = VirtualMachine(tvm.runtime.load_module(str(lib)), dev)
-            arg = tvm.runtime.from_dlpack(qkv)
-            fn = vm["main"]
-            ways[way] = lambda fn=fn, arg=arg: fn(arg)
-
-        def sdpa(
-            qkv: Any = qkv,
-            b: int = b,
-            s: int = s,
-            n: int = n,
-            h: int = h,
-            causal: bool = causal,
-            n_kv: int = n_kv,
-        ) -> Any:
-            q, k, v = qkv.split([n * h, n_kv * h, n_kv * h], dim=2)
-            q = q.view(b, s, n, h).transpose(1, 2)
-            k, v = (t.view(b, s, n_kv, h).transpose(1, 2) for t in (k, v))
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=n_kv != n)
-
-        ways["sdpa"] = sdpa
-        forced: dict[str, Any] = {}
-        for backend in (
-            SDPBackend.FLASH_ATTENTION,
-            SDPBackend.EFFICIENT_ATTENTION,
-            SDPBackend.CUDNN_ATTENTION,
-        ):
-
-            def alone(backend: Any = backend, sdpa: Any = sdpa) -> Any:
-                with sdpa_kernel([backend]):
-                    return sdpa()
-
-            forced[backend.name] = alone
+        qkv = _stacked_input(shape, torch)
+        ways: dict[str, Any] = {
+            way: _module_call(out_dir / shape["name"] / way / "model.so", qkv, tvm, dev)
+            for way in WAYS
+        }
+        ways["sdpa"], forced = _sdpa_calls(shape, qkv)
         row: dict[str, Any] = {
             "shape": shape["name"],
             "flops": flops(shape),
@@ -400,14 +412,14 @@ def add_ratios(row: dict[str, Any]) -> None:
     SDPA's default call latency / ours."""
     for way in ("stackfuse", "stackfuse_sm80", "tvm_unfused"):
         ours = row.get(way, {})
+        for key, name in (
+            ("kernel_s", "kernel_ratio_vs_sdpa_best"),
+            ("kernel_s_after_switch", "kernel_ratio_after_switch_vs_sdpa_best"),
+        ):
+            if key in ours and key in row.get("sdpa", {}):
+                ours[name] = sdpa_best_kernel_s(row, key) / ours[key]
         if "kernel_s" in ours and "kernel_s" in row.get("sdpa", {}):
-            ours["kernel_ratio_vs_sdpa_best"] = sdpa_best_kernel_s(row) / ours["kernel_s"]
             ours["call_ratio_vs_sdpa"] = row["sdpa"]["call_s"] / ours["call_s"]
-        key = "kernel_s_after_switch"
-        if key in ours and key in row.get("sdpa", {}):
-            ours["kernel_ratio_after_switch_vs_sdpa_best"] = (
-                sdpa_best_kernel_s(row, key) / ours[key]
-            )
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
@@ -506,9 +518,6 @@ class Nvml:
     """The NVML readings the power probe needs, for GPU 0, through ctypes (no extra package)."""
 
     def __init__(self) -> None:
-        import ctypes
-
-        self.ct = ctypes
         self.lib = ctypes.CDLL("libnvidia-ml.so.1")
         if self.lib.nvmlInit_v2() != 0:
             raise RuntimeError("nvmlInit failed")
@@ -517,18 +526,18 @@ class Nvml:
             raise RuntimeError("no NVML handle for GPU 0")
 
     def energy_mj(self) -> int:
-        v = self.ct.c_ulonglong()
-        self.lib.nvmlDeviceGetTotalEnergyConsumption(self.dev, self.ct.byref(v))
+        v = ctypes.c_ulonglong()
+        self.lib.nvmlDeviceGetTotalEnergyConsumption(self.dev, ctypes.byref(v))
         return v.value
 
     def sm_mhz(self) -> int:
-        v = self.ct.c_uint()
-        self.lib.nvmlDeviceGetClockInfo(self.dev, 1, self.ct.byref(v))  # NVML_CLOCK_SM
+        v = ctypes.c_uint()
+        self.lib.nvmlDeviceGetClockInfo(self.dev, 1, ctypes.byref(v))  # NVML_CLOCK_SM
         return v.value
 
     def power_w(self) -> float:
-        v = self.ct.c_uint()
-        self.lib.nvmlDeviceGetPowerUsage(self.dev, self.ct.byref(v))  # mW
+        v = ctypes.c_uint()
+        self.lib.nvmlDeviceGetPowerUsage(self.dev, ctypes.byref(v))  # mW
         return v.value / 1000
 
 
@@ -605,42 +614,25 @@ def _window(fn: Any, torch: Any, nvml: Nvml, chunk: int, seconds: float) -> dict
 def power(out_dir: Path, names: list[str] | None = None) -> dict[str, Any]:
     """Ours (the module, chosen kernel) against SDPA's default and cuDNN under sustained load."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from worker.toolchain import import_tvm
 
     tvm = import_tvm()
     import tvm_ffi
-    from tvm.runtime.vm import VirtualMachine
 
     nvml = Nvml()
     dev = tvm.cuda(0)
     rows = []
     for shape in (sh for sh in SHAPES if sh["name"] in (names or POWER_SHAPES)):
-        b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
-        n_kv = shape.get("n_kv", n)
-        causal = shape.get("causal") is not None
-        qkv = (torch.randn(b, s, (n + 2 * n_kv) * h, device="cuda") * 0.5).half()
-        vm = VirtualMachine(
-            tvm.runtime.load_module(str(out_dir / shape["name"] / "stackfuse" / "model.so")), dev
-        )
-        arg, main = tvm.runtime.from_dlpack(qkv), vm["main"]
-        q, k, v = qkv.split([n * h, n_kv * h, n_kv * h], dim=2)
-        q = q.view(b, s, n, h).transpose(1, 2)
-        k, v = (t.view(b, s, n_kv, h).transpose(1, 2) for t in (k, v))
-
-        def sdpa(q: Any = q, k: Any = k, v: Any = v, c: bool = causal, g: bool = n_kv != n) -> Any:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=c, enable_gqa=g)
-
-        def cudnn(sdpa: Any = sdpa) -> Any:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return sdpa()
-
-        def ours(main: Any = main, arg: Any = arg) -> Any:
-            return main(arg)
-
-        ways: dict[str, Any] = {"stackfuse": ours, "sdpa": sdpa, "sdpa_cudnn": cudnn}
+        qkv = _stacked_input(shape, torch)
+        sdpa, forced = _sdpa_calls(shape, qkv)
+        ways: dict[str, Any] = {
+            "stackfuse": _module_call(
+                out_dir / shape["name"] / "stackfuse" / "model.so", qkv, tvm, dev
+            ),
+            "sdpa": sdpa,
+            "sdpa_cudnn": forced["CUDNN_ATTENTION"],
+        }
         row: dict[str, Any] = {"shape": shape["name"], "flops": flops(shape)}
         with tvm_ffi.use_torch_stream():
             call_s = {w: _time_calls(fn, torch, reps=3, inner=10) for w, fn in ways.items()}
