@@ -7,13 +7,16 @@ in order of preference: the first that takes the spec (``Variant.takes``: its ke
 its launch is small enough) is the pick.
 
 Each entry's comment names the results row that justifies it: a shape of
-``benchmarks/results/hopper_kernel.md`` (the kernel, against SDPA and the other variants) or of
-``benchmarks/results/attention_bench.md`` (the compiled module, against SDPA). A class with no
-row there says so, with the figure it was chosen on and the commit that measured it.
+``benchmarks/results/hopper_kernel.md`` (the kernel against SDPA and the other variants: the
+``main`` and ``balance`` shape sets of ``benchmarks/hopper_kernel.py run --shapes``, measured
+2026-12-01 with the shipped code) or of ``benchmarks/results/attention_bench.md`` (the compiled
+module against SDPA). A class with no row there says so, with the figure it was chosen on and
+the commit that measured it.
 
-The SM80-class kernel runs at 0.29-0.50x the chosen Hopper kernel at every row of
-``attention_bench.md``, so no class maps to it; it stays the kernel for what ``supports()``
-rejects and for other archs. This module imports nothing of ours: ``worker.hopper`` imports it.
+The SM80-class kernel runs at 0.22-0.50x the chosen Hopper kernel at every row of
+``attention_bench.md`` it takes (it takes no GQA), so no class maps to it; it stays the kernel
+for what ``supports()`` rejects and for other archs. This module imports nothing of ours:
+``worker.hopper`` imports it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ SELECTION: dict[ShapeClass, Choice] = {
     (32, True, "tiny"): "pingpong_128x128",
     # hopper_kernel.md b2_s8192_n16_h64: 500 TFLOP/s, 1.095x SDPA's fastest
     (64, False, "large"): "overlap3_192x128",
-    # hopper_kernel.md b8_s2048_n16_h64_causal 1.07x; its 12 causal h64 rows 1.02-1.24x
+    # hopper_kernel.md b8_s2048_n16_h64_causal 1.07x SDPA; 12 large causal h64 rows 1.02-1.24x
     (64, True, "large"): "overlap3kls_192x128",
     # hopper_kernel.md b32_s128_n12_h64_bert (shortw 1.10x), b32_s256_n16_h64_gqa4 (shortwot 1.06x)
     (64, False, "small"): ("shortw_64x128", "shortwot_64x256", "pingpong_128x128"),
