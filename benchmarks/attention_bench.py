@@ -15,9 +15,9 @@ median of repeats) and *kernel* time from the profiler (sum of GPU kernel durati
 the median of ROUNDS rounds that each time every way once (order rotated). In a round, a way
 runs back to back for about PREROLL_S untimed, then 20 timed calls (*kernel_s*, its own steady
 state); the first 20 calls of that stream, right after the way before it, are kept too
-(*kernel_s_after_switch*, what the harness timed up to session 21). At the long shapes both
-kernels run at the card's power limit, and calls timed right after a lighter way borrow its
-power headroom: session 20's rounds spread by 12% by predecessor.
+(*kernel_s_after_switch*, what the harness timed before commit 3718d26). At the long shapes
+both kernels run at the card's power limit, and calls timed right after a lighter way borrow its
+power headroom: such rounds spread by up to 12% by predecessor.
 FLOPs = 4*B*S*S*N*H (halved for causal). Results: benchmarks/results/attention_bench.{json,md}.
 
     python -m benchmarks.attention_bench power OUT_DIR [SHAPES]   # on the GPU, long shapes
@@ -63,9 +63,9 @@ SHAPES: list[dict[str, Any]] = [
     {"name": "b8_s2048_q32_kv8_h128_gqa", "b": 8, "s": 2048, "n": 32, "h": 128, "n_kv": 8},
     {"name": "b32_s256_q16_kv4_h64_gqa", "b": 32, "s": 256, "n": 16, "h": 64, "n_kv": 4},
     {"name": "b16_s256_n12_h64", "b": 16, "s": 256, "n": 12, "h": 64},
-    # session 11: the classes whose kernels changed (three-warpgroup causal and head dim 256 with
-    # our first-block softmax; one short head-dim-128 sequence in 64-row tiles) and Llama-3-8B's
-    # attention over one 1024-token prompt
+    # the three-warpgroup causal kernel, head dim 256 with our first-block softmax, one short
+    # head-dim-128 sequence in 64-row tiles, and Llama-3-8B's attention over one 1024-token
+    # prompt
     {
         "name": "b8_s2048_n16_h64_causal",
         "b": 8,
@@ -85,7 +85,7 @@ SHAPES: list[dict[str, Any]] = [
         "n_kv": 8,
         "causal": "BottomRight",
     },
-    # session 18: causal launches of a few waves, balanced by the host's chunk of heads: one
+    # causal launches of a few waves, balanced by the host's chunk of heads: one
     # 2048-token prompt at head dim 128 (pingpongk_128x128) and two at head dim 64 (192-row
     # blocks, one chunk of all 32 heads)
     {
@@ -425,7 +425,7 @@ def add_ratios(row: dict[str, Any]) -> None:
 def to_markdown(doc: dict[str, Any]) -> str:
     rows = doc["rows"]
     first = rows[0] if rows else {}
-    steady = "preroll_s" in first  # results from session 22 on; older ones timed after a switch
+    steady = "preroll_s" in first  # results since commit 3718d26; older ones timed after a switch
     how = (
         f"the median of {first.get('rounds', '?')} rounds; in each round every way runs back to "
         f"back for ~{first.get('preroll_s', 0) * 1e3:.0f} ms untimed (at most "
@@ -446,9 +446,9 @@ def to_markdown(doc: dict[str, Any]) -> str:
     if steady:
         lines += [
             "*after switch*: the kernel ratio over the first calls of each way's stream, right",
-            "after the way before it in the round (the harness up to session 21). At the long",
-            "shapes both kernels run at the card's power limit, and calls right after a lighter",
-            "way run on its power headroom; each way's own steady state is the headline.",
+            "after the way before it in the round (all the harness timed until 2026-12-02). At",
+            "the long shapes both kernels run at the card's power limit, and calls right after a",
+            "lighter way run on its power headroom; each way's own steady state is the headline.",
         ]
     lines += [
         "",

@@ -156,7 +156,7 @@ CASES: list[Case] = [
     # a tiny launch with every key in one tile: the selector's short-sequence kernel, GQA 16/4
     Case("split_fp16_gqa_q16_kv4_tiny_s100_h64", "stacked", 2, 100, 16, 64, 64, {"n_kv": 4}),
     # 129-256 keys, a "small" launch: the 256-key short-sequence kernel, and its causal sibling
-    # (the same kernel since session 6, computing only the keys a block sees), bf16 at
+    # (the same kernel, computing only the keys a block sees), bf16 at
     # BERT-base size (the 128-key one)
     Case("split_fp16_s200_h64", "stacked", 16, 200, 12, 64, 64),
     Case("split_fp16_s200_h64_causal", "stacked", 16, 200, 12, 64, 64, {"causal": "TopLeft"}),
@@ -170,11 +170,10 @@ CASES: list[Case] = [
         64,
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
-    # session 6: GQA 16/4 at 129-256 keys on the 256-key kernel (ping-pong before), and a tiny
-    # launch of 256 keys (the 64-row TMA kernel before)
+    # GQA 16/4 at 129-256 keys on the 256-key kernel, and a tiny launch of 256 keys
     Case("split_fp16_gqa_q16_kv4_s200_h64", "stacked", 16, 200, 16, 64, 64, {"n_kv": 4}),
     Case("split_fp16_tiny_s256_h64", "stacked", 1, 256, 12, 64, 64),
-    # session 7: long sequences on the overlapped mainloop (hopper_overlap.cuh): head dim 32,
+    # long sequences on the overlapped mainloop (hopper_overlap.cuh): head dim 32,
     # three warpgroups at head dim 64 with a ragged key tile, bf16 causal GQA with a ragged one
     Case("split_fp16_s1024_h32", "stacked", 4, 1024, 16, 32, 32),
     Case("split_fp16_s2000_h64", "stacked", 2, 2000, 16, 64, 64),
@@ -188,12 +187,12 @@ CASES: list[Case] = [
         128,
         {"n_kv": 8, "dtype": "bfloat16", "causal": "TopLeft"},
     ),
-    # session 8: long causal head dim 64, a ragged last tile (on ping-pong until session 9, on
-    # three warpgroups with per-warpgroup key-tile counts since); session 9: 1000 rows leave
-    # two of the last block's three warpgroups without a row (they only drain K/V)
+    # long causal head dim 64 on three warpgroups with per-warpgroup key-tile counts: a ragged
+    # last tile, and 1000 rows, which leave two of the last block's three warpgroups without a
+    # row (they only drain K/V)
     Case("split_fp16_s1500_h64_causal", "stacked", 2, 1500, 16, 64, 64, {"causal": "TopLeft"}),
     Case("split_fp16_s1000_h64_causal", "stacked", 4, 1000, 16, 64, 64, {"causal": "TopLeft"}),
-    # session 10: head dim 256 on the overlapped cooperative kernel with lazy rescale, a large
+    # head dim 256 on the overlapped cooperative kernel with lazy rescale, a large
     # launch with a ragged key tile and a tiny bf16 causal one
     Case("split_fp16_s1100_h256", "stacked", 4, 1100, 8, 256, 256),
     Case(
@@ -206,7 +205,7 @@ CASES: list[Case] = [
         256,
         {"dtype": "bfloat16", "causal": "TopLeft"},
     ),
-    # session 11: one short sequence at head dim 128 in one wave of 64-row tiles (the
+    # one short sequence at head dim 128 in one wave of 64-row tiles (the
     # non-warp-specialized TMA kernel), ragged, and its bf16 causal sibling
     Case("split_fp16_s500_h128_tiny", "stacked", 1, 500, 16, 128, 128),
     Case(
@@ -219,7 +218,7 @@ CASES: list[Case] = [
         128,
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
-    # session 13: short key ranges in "small" launches at head dims 128 and 32: ping-pong with
+    # short key ranges in "small" launches at head dims 128 and 32: ping-pong with
     # the next tile's Q loaded ahead (pingpongq_128x128); bf16 causal with a ragged key tile
     Case("split_fp16_s256_h128_small", "stacked", 16, 256, 16, 128, 128),
     Case(
@@ -233,7 +232,7 @@ CASES: list[Case] = [
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
     Case("split_fp16_s256_h32_small_causal", "stacked", 16, 256, 16, 32, 32, {"causal": "TopLeft"}),
-    # session 14: short causal launches at head dim 256 on the persistent kernel
+    # short causal launches at head dim 256 on the persistent kernel
     # (overlapoq_128x64, O staged in the Q stage); bf16 bottom-right with a ragged key tile
     Case(
         "split_fp16_s256_h256_small_causal",
@@ -255,7 +254,7 @@ CASES: list[Case] = [
         256,
         {"dtype": "bfloat16", "causal": "BottomRight"},
     ),
-    # session 15: the 256-key short kernel with its exponentials overlapping its own P V
+    # the 256-key short kernel with its exponentials overlapping its own P V
     # (shortwo_64x256), bf16 GQA 16/4 bottom-right at a ragged 250 keys
     Case(
         "split_bf16_gqa_q16_kv4_s250_h64_bottomright",
@@ -267,9 +266,9 @@ CASES: list[Case] = [
         64,
         {"n_kv": 4, "dtype": "bfloat16", "causal": "BottomRight"},
     ),
-    # session 16: the 256-key short kernel with its tiles loaded by TMA (shortwot_64x256): MQA
-    # causal at a ragged 160 keys (a tiny launch), and separate Q, K and V tensors with fewer
-    # queries than keys (Q's tensor map over its own tensor, rows past 100 zero-filled)
+    # the 256-key short kernel with its tiles loaded by TMA (shortwot_64x256): MQA causal at a
+    # ragged 160 keys (a tiny launch), and separate Q, K and V tensors with fewer queries than
+    # keys (Q's tensor map over its own tensor, rows past 100 zero-filled)
     Case(
         "split_fp16_mqa_q8_kv1_s160_h64_causal",
         "stacked",
@@ -292,7 +291,7 @@ CASES: list[Case] = [
         s_kv=230,
         expect="plain",
     ),
-    # session 17: long causal head dim 64 with the query blocks aligned to the last row
+    # long causal head dim 64 with the query blocks aligned to the last row
     # (overlap3kls_192x128): GQA 16/4 bottom-right at 2048 rows (one warpgroup tile before row
     # 0), and separate tensors with 700 queries and 1300 keys, bottom-right (68 empty rows: one
     # tile moved, 4 rows of the last block still past Sq)
@@ -318,16 +317,16 @@ CASES: list[Case] = [
         s_kv=1300,
         expect="plain",
     ),
-    # session 18: causal launches of a few waves, their tiles in chunks of all heads chosen on the
-    # host: 192-row blocks at head dim 64 (32 heads in one chunk) and 128-row tiles at head dim
+    # causal launches of a few waves, their tiles in chunks of all heads chosen on the host:
+    # 192-row blocks at head dim 64 (32 heads in one chunk) and 128-row tiles at head dim
     # 128 on pingpongk_128x128 (chunks of 9 heads)
     Case("split_fp16_s2048_h64_causal_b2", "stacked", 2, 2048, 16, 64, 64, {"causal": "TopLeft"}),
     Case(
         "split_fp16_s4096_h128_causal_b1", "stacked", 1, 4096, 16, 128, 128, {"causal": "TopLeft"}
     ),
-    # session 22: GQA/MQA sites left to TVM (here: forced onto the SM80 kernel, which takes no
-    # GQA). TVM's own attention read K/V by the query head (relative error ~1); build.py now
-    # repeats K and V up to the query heads first
+    # GQA/MQA sites left to TVM (here: forced onto the SM80 kernel, which takes no GQA): build.py
+    # repeats K and V up to the query heads first, without which TVM's own attention reads K/V by
+    # the query head (relative error ~1)
     Case(
         "split_fp16_gqa_q16_kv4_on_tvm",
         "stacked",

@@ -148,7 +148,7 @@ def catalog() -> list[Slot]:
         add(f16, w, "BottomRight@64", [], [gqa])
         add(b16, w, "none@64", [(12, 12, 64), gqa], [gqa])
         add(b16, w, "TopLeft@64", [gqa])
-    # FlashAttention-3's intra-warpgroup overlap (hopper_overlap.cuh; session 7)
+    # FlashAttention-3's intra-warpgroup overlap (hopper_overlap.cuh)
     add(f16, "overlap_128x128", "none", _HEADS_128, [(16, 4, 128)], [h128])
     add(f16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)], [h128, (16, 4, 128)], [h128])
     add(f16, "overlap_128x128", "BottomRight", [h128], [h128, (16, 4, 128)])
@@ -174,15 +174,14 @@ def catalog() -> list[Slot]:
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], flags=ftz)
     add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=ftz)
     add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=ftz)
-    # causal three-warpgroup tiles in a heavy-first order within chunks of heads (session 10)
+    # causal three-warpgroup tiles in a heavy-first order within chunks of heads
     add(f16, "overlap3k_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3k_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kl_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(b16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
-    # session 18: the causal ping-pong kernel in the chunked order (run 113 also built the
-    # chunked kernels with session 10's coarse chunk search, -DSTACKFUSE_NARROW_CHUNKS=1, as the
-    # A/B of the search over every chunk size; commit 7e24661)
+    # the causal ping-pong kernel in the chunked order (the A/B of the search over every chunk
+    # size against the coarse one, -DSTACKFUSE_NARROW_CHUNKS=1, is commit 7e24661)
     add(
         f16,
         "pingpongk_128x128",
@@ -195,28 +194,27 @@ def catalog() -> list[Slot]:
     add(f16, "pingpongk_128x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)])
     add(f16, "pingpongk_128x128", "TopLeft@32", _HEADS_32)
     add(b16, "pingpongk_128x128", "TopLeft", [h128, (32, 8, 128)])
-    # (run 120 also built them with K = 1 in place of the plain order, no branch between two
-    # orders on the device, -DSTACKFUSE_CHUNK_BRANCH_FREE=1 in a build not kept: what ships since)
-    # (run 116 also built the chunked kernels with the chunked order's integer divisions of
-    # commit 7bcb0ef, as -DSTACKFUSE_CHUNK_SLOW_DIV=1 in a build not kept, against FastDivmod)
-    # session 17: the same with the query blocks aligned to the last row (ShiftRows)
+    # (K = 1 in place of the plain order, no branch between two orders on the device, was
+    # measured as -DSTACKFUSE_CHUNK_BRANCH_FREE=1 and ships: commit bb53392; FastDivmod against
+    # the integer divisions of commit 7bcb0ef, -DSTACKFUSE_CHUNK_SLOW_DIV=1: commit dc2a7c5)
+    # the same with the query blocks aligned to the last row (ShiftRows)
     add(f16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3kls_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(b16, "overlap3kls_192x128", "TopLeft@64", [(16, 16, 64)], [], [(12, 12, 64)])
-    # (runs 108-110 also built overlap3klo_192x128, overlap3kl with our epilogue and no shift, as
-    # the control: 180.0 vs overlap3kls's 177.4 us at B8 S2048 N16 causal; commit c9a21ab)
+    # (its control, overlap3klo_192x128, overlap3kl with our epilogue and no shift: 180.0 vs
+    # overlap3kls's 177.4 us at B8 S2048 N16 causal; commit c9a21ab)
     # head dim 256: the overlapped mainloop with lazy rescale, in the cooperative kernel
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
     add(f16, "overlapc_128x64", "TopLeft@256", _HEADS_256, [], [(8, 8, 256)])
     add(b16, "overlapc_128x64", "none@256", _HEADS_256)
-    # head dim 128 in 64-row tiles: one wave of them for single short sequences (session 11)
+    # head dim 128 in 64-row tiles: one wave of them for single short sequences
     add(f16, "tma1_64x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [(16, 4, 128)], [h128])
     add(f16, "tma1_64x128", "TopLeft", [h128, (32, 8, 128)], [(16, 4, 128)], [h128])
     add(f16, "tma1_64x128", "BottomRight", [], [h128, (16, 4, 128)])
     add(b16, "tma1_64x128", "none", [h128], [(16, 4, 128)])
-    # session 12's A/B of the warp-specialized kernels' epilogue: the example's in turn (=1, as in
-    # session 11) and ours in turn (=2), against ours out of turn unless the variant keeps the
-    # example's (hopper_kernel_ws.cuh)
+    # the A/B of the warp-specialized kernels' epilogue: the example's in turn (=1) and ours in
+    # turn (=2), against ours out of turn unless the variant keeps the example's
+    # (hopper_kernel_ws.cuh; commit 499bb57)
     turn = ("-DSTACKFUSE_EPILOGUE_IN_TURN=1",)
     for ab in (turn, ("-DSTACKFUSE_EPILOGUE_IN_TURN=2",)):
         add(f16, "pingpong_128x128", "none", [h128], flags=ab)
@@ -228,43 +226,42 @@ def catalog() -> list[Slot]:
         add(f16, "overlap3kl_192x128", "TopLeft@64", [(16, 16, 64)], flags=ab)
     add(f16, "pingpong_128x128", "TopLeft", [h128], flags=turn)
     add(f16, "overlapc_128x64", "none@256", _HEADS_256, flags=turn)
-    # session 13: the next tile's Q loaded during this one (two Q stages per warpgroup, four K/V
-    # stages; run 79 also had it on the overlapped kernels: overlapq_128x128 0.94-1.01x,
-    # overlap3q_192x128 0.98-1.02x, not kept)
+    # the next tile's Q loaded during this one (two Q stages per warpgroup, four K/V stages; on
+    # the overlapped kernels, overlapq_128x128 0.94-1.01x and overlap3q_192x128 0.98-1.02x: not
+    # kept, commit 2b192ab)
     add(f16, "pingpongq_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)], [], [h128])
     add(f16, "pingpongq_128x128", "TopLeft", [h128, (32, 8, 128)], [], [h128])
     add(f16, "pingpongq_128x128", "none@32", _HEADS_32, [], [(16, 16, 32)])
     add(f16, "pingpongq_128x128", "TopLeft@32", _HEADS_32)
-    # (runs 81-82 also built O staged in the warpgroup's finished Q stage, its 32 KB spent on a
-    # sixth K/V stage or on a second Q stage per warpgroup: 0.89-0.98x, not kept; commit
-    # 0a43dd9, docs/hopper-kernel.md)
-    # (run 80 also built deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at
-    # head dim 64 and 10 on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and
-    # 1.01x; not kept)
-    # session 14: head dim 256 in the persistent kernel. The cooperative overlapc_128x64 runs
-    # its 128-row tiles in waves of one CTA per SM, each wave loading its tiles from scratch
-    # (timeline_session14: two waves of ~11 us at B16 S256 N8). Run 84 built it with the three
-    # K/V stages that fit next to the epilogue's buffers (overlapkv3_128x64, pingpongkv3_128x64:
-    # faster only at B16 S256 N8 causal, up to 63% slower elsewhere); run 86 with O staged in
-    # the Q stage and five K/V stages (overlapoq_128x64, kept; pingpongoq_128x64, the example's
-    # mainloop: slower than overlapoq everywhere, not kept)
+    # (O staged in the warpgroup's finished Q stage, its 32 KB spent on a sixth K/V stage or on
+    # a second Q stage per warpgroup: 0.89-0.98x, not kept; commit 0a43dd9)
+    # (deeper K/V pipelines, Option<kStagesKV, 8> on overlap3(kl)_192x128 at head dim 64 and 10
+    # on overlap_128x128 / pingpong_128x128 at head dim 32: 0.98-1.00x and 1.01x; not kept,
+    # commit 2b192ab)
+    # head dim 256 in the persistent kernel. The cooperative overlapc_128x64 runs its 128-row
+    # tiles in waves of one CTA per SM, each wave loading its tiles from scratch (a %globaltimer
+    # timeline, commit 122da52: two waves of ~11 us at B16 S256 N8). With the three K/V stages
+    # that fit next to the epilogue's buffers (overlapkv3_128x64, pingpongkv3_128x64) it was
+    # faster only at B16 S256 N8 causal, up to 63% slower elsewhere (commit 1b9491b); with O
+    # staged in the Q stage and five K/V stages, overlapoq_128x64 is kept and
+    # pingpongoq_128x64, the example's mainloop, slower everywhere, is not (commit c866e95)
     add(f16, "overlapoq_128x64", "none@256", _HEADS_256, [], [(8, 8, 256)])
     add(f16, "overlapoq_128x64", "TopLeft@256", _HEADS_256, [(8, 8, 256)], [(8, 8, 256)])
     add(f16, "overlapoq_128x64", "BottomRight@256", [], [(8, 8, 256), (8, 2, 256)])
     add(b16, "overlapoq_128x64", "none@256", _HEADS_256)
     add(b16, "overlapoq_128x64", "TopLeft@256", [(8, 8, 256)])
-    # session 16: the short kernel's tiles loaded by TMA (run 99 also built shortwt_64x256, K and
-    # V only, and both at 128 keys: slower there, not kept; run 103 try_wait with a suspend-time
-    # hint: no gain, commit 257fb20)
+    # the short kernel's tiles loaded by TMA (K and V only, shortwt_64x256, and both at 128
+    # keys: slower there, not kept, commit a36b2fe; try_wait with a suspend-time hint: no gain,
+    # commit 257fb20)
     add(f16, "shortwot_64x256", "none@64", _HEADS_64, [(12, 12, 64)], [gqa])
     add(f16, "shortwot_64x256", "TopLeft@64", [(12, 12, 64), gqa], [gqa])
     add(f16, "shortwot_64x256", "BottomRight@64", [], [gqa])
     add(b16, "shortwot_64x256", "none@64", [(12, 12, 64), gqa], [gqa])
     add(b16, "shortwot_64x256", "TopLeft@64", [gqa])
-    # (run 89 also built pingpongq with O staged in the Q stage, five K/V stages again:
+    # (pingpongq with O staged in the Q stage, five K/V stages again:
     # pingpongqo_128x128, 1.012x pingpongq at B16 S256 N16 H128, 0.967-0.978x at the causal and
     # head-dim-32 short shapes; not kept, commit 54beefc)
-    # session 14: %globaltimer stamps per CTA and tile (benchmarks/timeline_probe.py); N in
+    # %globaltimer stamps per CTA and tile (benchmarks/timeline_probe.py); N in
     # -DSTACKFUSE_TIMELINE=N names each object's stackfuse_timeline_set_N
     for n, (dtype, variant, causal, heads) in enumerate(
         [
@@ -276,23 +273,23 @@ def catalog() -> list[Slot]:
         start=1,
     ):
         add(dtype, variant, causal, [heads], flags=(f"-DSTACKFUSE_TIMELINE={n}",))
-    # (runs 124-126 also built FlashAttention-3's key tiles with O in the Q stage and four K/V
-    # stages, overlapoq_128x80 at head dim 256 and overlapoq_128x176 / overlapoq_128x128 at
-    # 128, CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined so that CuTe picks 64 x 80 and
-    # 64 x 176 products: level with the 64- and 128-key tiles at best; commit b6e00cd)
-    # (run 123 also built the overlapped mainloop with Q in registers for Q K^T,
+    # (FlashAttention-3's key tiles with O in the Q stage and four K/V stages, overlapoq_128x80 at
+    # head dim 256 and overlapoq_128x176 / overlapoq_128x128 at 128,
+    # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined so that CuTe picks 64 x 80 and 64 x 176
+    # products: level with the 64- and 128-key tiles at best; commit b6e00cd)
+    # (the overlapped mainloop with Q in registers for Q K^T,
     # -DSTACKFUSE_Q_REGS=1 on overlap_128x128 at head dims 128 and 32 and on overlap3 /
     # overlap3kls at 64: ptxas serialized the wgmmas at 64 and 128, 10-22% slower; 0.8% faster
     # at 32; not kept, commit 437e010)
-    # (session 20 split the last partial round along the keys over every SM, runs 128-130:
-    # TailSplitScheduler, -DSTACKFUSE_TAIL_SPLIT=1 on overlap_128x128 at head dims 128 and 32,
-    # overlap3_192x128 and overlapoq_128x64. 1.6-3.8% faster than the same code without the
-    # split, but that code ran at 0.85-0.96x the shipped kernels' speed; not kept, commit
-    # dbe5b74. Commit a24f6a1 has it with 32-bit range arithmetic, no spills and no calls:
-    # run 131, 0.94-0.99x the shipped kernels, its no-split control 0.95-0.97x; not kept)
-    # (session 21, run 134: -Xptxas=--register-usage-level=N, N in 0, 2, 8, 10, on
-    # overlap_128x128 at head dim 128 and overlap3_192x128 at 64: 0.97-1.01x the default
-    # level per round, none ahead at every shape; not kept)
+    # (the last partial round split along the keys over every SM: TailSplitScheduler,
+    # -DSTACKFUSE_TAIL_SPLIT=1 on overlap_128x128 at head dims 128 and 32, overlap3_192x128 and
+    # overlapoq_128x64. 1.6-3.8% faster than the same code without the split, but that code ran at
+    # 0.85-0.96x the shipped kernels' speed; not kept, commit dbe5b74. Commit a24f6a1 has it with
+    # 32-bit range arithmetic, no spills and no calls: 0.94-0.99x the shipped kernels, its no-split
+    # control 0.95-0.97x; not kept)
+    # (-Xptxas=--register-usage-level=N, N in 0, 2, 8, 10, on overlap_128x128 at head dim 128
+    # and overlap3_192x128 at 64: 0.97-1.01x the default level per round, none ahead at every
+    # shape; not kept, commit e1f9620)
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
@@ -397,8 +394,8 @@ def _own_names(glue: str, cfg_source: str, flags: tuple[str, ...]) -> tuple[str,
 
     Why the type: ``launch<Config>`` is a template, so objects built from one configuration
     with different flags define it under one name and the linker keeps the first; every
-    flagged copy then ran the unflagged kernel (found in session 9: ncu counted the same
-    instruction mix for all of them)."""
+    flagged copy then ran the unflagged kernel (Nsight Compute counted the same instruction mix
+    for all of them)."""
     tag = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
     glue, cfg_source = (
         re.sub(r"(stackfuse_hcfg_[0-9a-f]{24})", rf"\1_{tag}", t) for t in (glue, cfg_source)
@@ -447,7 +444,7 @@ def _compile(cmd: list[str], log: Path) -> dict[str, Any]:
     regs = re.findall(r"Used (\d+) registers", text)
     spills = re.findall(r"(\d+) bytes spill stores", text)
     # ptxas's "Potential Performance Loss" warnings (C7512 and kin: serialized or waited-on
-    # wgmma; docs/field-notes.md): run 123 lost 10-22% to C7512 with no spill reported
+    # wgmma; docs/field-notes.md): Q in registers lost 10-22% to C7512 with no spill reported
     perf = sorted(
         {
             f"{c}: {w}"
@@ -614,7 +611,7 @@ SHORT_SHAPES = [
 
 #: head dim 128 at up to 1024 keys and fewer than two waves of 128-row tiles (``run --shapes
 #: h128``): short prompts and single sequences of Llama-class models, where the example's
-#: persistent kernels trailed cuDNN by 4-12% (sweep runs 8, 25, 54)
+#: persistent kernels trailed cuDNN by 4-12% at the sweep shapes
 H128_SHAPES = [
     *(sh for sh in SWEEP_SHAPES if sh[5] == 128),
     ("b2_s512_n16_h128", 2, 512, 16, 16, 128, False, "float16"),  # 128 tiles: 2 waves of 64 rows
@@ -644,7 +641,7 @@ CAUSAL64_SHAPES = [
 ]
 
 #: long causal launches at head dim 64 of 3-8 waves of 128-row tiles (``run --shapes
-#: causal64w``): where the 192-row kernel starts to beat the 128-row ones (session 17)
+#: causal64w``): where the 192-row kernel starts to beat the 128-row ones
 CAUSAL64W_SHAPES = [
     ("b3_s1024_n16_h64_causal", 3, 1024, 16, 16, 64, True, "float16"),  # 2.9 waves
     ("b4_s768_n16_h64_causal", 4, 768, 16, 16, 64, True, "float16"),  # 2.9
@@ -659,7 +656,7 @@ CAUSAL64W_SHAPES = [
 ]
 
 #: causal launches of a few waves and the main set's causal shapes (``run --shapes balance``):
-#: the chunked tile order's chunk sizes (session 18)
+#: the chunked tile order's chunk sizes
 BALANCE_SHAPES = [
     *CAUSAL64W_SHAPES,
     ("b1_s8192_n16_h64_causal", 1, 8192, 16, 16, 64, True, "float16"),
@@ -677,7 +674,7 @@ BALANCE_SHAPES = [
 ]
 
 #: the main set's non-causal shapes of at least a few waves (``run --shapes tail``): where the
-#: last partial round leaves SMs idle (session 20's tail split)
+#: last partial round leaves SMs idle (the tail split tried there: commit dbe5b74)
 TAIL_SHAPES = [sh for sh in BENCH_SHAPES if not sh[6] and sh[2] >= 2048]
 
 #: every shape of every set, by name (the probes' --shape choices)

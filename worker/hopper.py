@@ -3,11 +3,12 @@
 The SM80-class fMHA runs at ~0.3x of cuDNN on an H200; the Hopper FMHA of
 ``examples/88_hopper_fmha`` (nvidia-cutlass 4.2) matches it. This module decides whether that
 kernel can take an :class:`AttentionSpec` (:func:`supports`), which of its schedules/tiles to try
-(:func:`variants`, :data:`SELECTION`), and renders two translation units per choice: the
-configuration (:func:`render_config`: the CUTLASS kernel, shared by every shape that uses it,
-the expensive compile) and the site's glue (:func:`render`: the spec's numbers, seconds to
-compile). The C++ lives in ``worker/kernels/hopper_*``; the example is used as a library from
-the installed package, never copied.
+(:func:`variants`; the measured table is :data:`worker.hopper_selection.SELECTION`), and
+renders two translation units per choice: the configuration (:func:`render_config`: the CUTLASS
+kernel, shared by every shape that uses it, the expensive compile) and the site's glue
+(:func:`render`: the spec's numbers, seconds to compile). The C++ lives in
+``worker/kernels/hopper_*``; the example is used as a library from the installed package, never
+copied.
 
 The generated sources hold numbers from the spec, our fixed type names and the caller's symbol,
 nothing else.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from worker.attention import DYNAMIC, AttentionSpec, TensorAccess, stacked_spec
+from worker.hopper_selection import SELECTION, Choice, ShapeClass
 
 if TYPE_CHECKING:  # codegen imports this module; import it back lazily
     from worker.codegen import KernelSource
@@ -207,18 +209,18 @@ VARIANTS: dict[str, Variant] = {
         # of the H200's SMs: twice the CTAs of a 128-row launch that leaves SMs idle
         Variant("tma1_64x128", _TMA, 64, 128, max_ctas=SMS),
         # ours: the whole key range (at most 128 or 256 keys) in shared memory, 64 query rows
-        # per CTA, wgmma ("w"; session 4's mma.sync short_* kernels are gone, slower everywhere)
+        # per CTA, wgmma ("w"; an mma.sync version was slower at every short shape)
         Variant("shortw_64x128", _SHORT, 64, 128, max_seq_kv=128),
         Variant("shortw_64x256", _SHORT, 64, 256, max_seq_kv=256),
-        # the same, its exponentials overlapping its own P V (in two halves of the keys; session
-        # 15). At 128 keys that needs more than the 96 registers of five CTAs per SM (ptxas
-        # spilled and serialized the wgmma there), so that one runs four per SM: faster within
-        # one wave (B4 S128 N12 3.28 vs 3.41 us), slower past it (BERT-base 10.83 vs 9.52; run 91)
+        # the same, its exponentials overlapping its own P V (in two halves of the keys). At 128
+        # keys that needs more than the 96 registers of five CTAs per SM (ptxas spilled and
+        # serialized the wgmma there), so that one runs four per SM: faster within one wave
+        # (B4 S128 N12 3.28 vs 3.41 us), slower past it (BERT-base 10.83 vs 9.52; 9466ce9)
         Variant("shortwo_64x128", _SHORT, 64, 128, _SHORT_PIPELINED, max_seq_kv=128),
         Variant("shortwo_64x256", _SHORT, 64, 256, _SHORT_PIPELINED, max_seq_kv=256),
-        # the same, its tiles loaded by TMA (session 16): as fast or faster at every 129-256-key
-        # shape measured (GQA 16/4 B32 S256 26.8 vs 28.3 us; run 99, where it was named
-        # shortwtq_64x256), slower at 128 keys, so there is no 128-key one
+        # the same, its tiles loaded by TMA: as fast or faster at every 129-256-key shape
+        # measured (GQA 16/4 B32 S256 26.8 vs 28.3 us; a36b2fe), slower at 128 keys, so there
+        # is no 128-key one
         Variant(
             "shortwot_64x256", _SHORT, 64, 256, (*_SHORT_PIPELINED, *_SHORT_TMA), max_seq_kv=256
         ),
@@ -227,8 +229,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("coop_128x128", _COOP, 128, 128),
         Variant("pingpong_128x128", _PING, 128, 128),
         Variant("pingpongB_128x128", _PING, 128, 128, _BATCH_MAJOR),
-        # the same with causal tiles heaviest first within chunks of heads (session 18): where a
-        # chunk balances a launch of a few waves it wins by up to 47%, elsewhere it ties (run 120)
+        # the same with causal tiles heaviest first within chunks of heads: where a chunk
+        # balances a launch of a few waves it wins by up to 47%, elsewhere it ties
+        # (benchmarks/results/hopper_kernel.md, b1_s4096_n16_h32_causal and b8_s2048_n16_h32_causal)
         Variant("pingpongk_128x128", _PING, 128, 128, _CHUNKED),
         # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
         Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
@@ -259,8 +262,8 @@ VARIANTS: dict[str, Variant] = {
             (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_CHUNKED, *_LAZY, *_EXAMPLE_EPILOGUE),
         ),
         # and with the query blocks aligned to the last row under a causal mask (our epilogue,
-        # out of turn: the example's cannot store shifted rows; runs 73-74 had ours out of turn
-        # and the example's in turn within 0.4% of each other on overlap3kl)
+        # out of turn: the example's cannot store shifted rows; on overlap3kl ours out of turn
+        # and the example's in turn are within 0.4% of each other)
         Variant(
             "overlap3kls_192x128",
             _PING,
@@ -273,12 +276,12 @@ VARIANTS: dict[str, Variant] = {
         Variant("overlapc_128x64", _COOP, 128, 64, (*_OVERLAP, *_LAZY)),
         # ping-pong with the next tile's Q loaded during this one: pays where a CTA runs many
         # short tiles (at most 256 keys), loses up to 12% where tiles are long (one K/V stage
-        # less, run 79), so it is offered for short key ranges only
+        # less; 2b192ab), so it is offered for short key ranges only
         Variant("pingpongq_128x128", _PING, 128, 128, _Q_AHEAD, offered_seq_kv=SHORT_SEQ_KV),
         # overlapc_128x64's mainloop at head dim 256 in the persistent (ping-pong) kernel, O
         # staged in the warpgroup's finished Q stage so that five K/V stages fit next to 64 KB
-        # of Q, our epilogue in turn (the overlapped loop's stagger): run 86, faster than
-        # overlapc wherever a launch has more than one wave of tiles
+        # of Q, our epilogue in turn (the overlapped loop's stagger): faster than overlapc
+        # wherever a launch has more than one wave of tiles (c866e95)
         Variant(
             "overlapoq_128x64",
             _PING,
@@ -330,148 +333,6 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpongq_128x128",
     ),
     256: ("overlapoq_128x64", "overlapc_128x64", "coop_128x64"),
-}
-
-#: Per shape class, the variant to use, from three H200 runs (benchmarks/results/
-#: hopper_kernel.md; TFLOP/s of the pick, run 1 / run 2 / run 3; runs 1-2 timed the example's
-#: batch-major order and G launches per GQA group, run 3 ours). Keys: (tile head dim, causal?,
-#: size): "tiny" = fewer 128-row query tiles x heads x batch than the H200's 132 SMs, "small" =
-#: fewer than two waves of them or a key length of at most SHORT_SEQ_KV, else "large".
-#: The SM80-class kernel never won a shape the Hopper kernel takes (B32 S128 N12 H64: ~30
-#: TFLOP/s against ~134), so no class maps to it; it stays the kernel for what supports()
-#: rejects and for other archs. "unmeasured": no benchmark shape of that class was run. A tuple
-#: names variants in order of preference: the first that takes the spec (its key length fits,
-#: see Variant.takes) is the pick.
-SELECTION: dict[tuple[int, bool, str], str | tuple[str, ...]] = {
-    # B8 S2048 N16: overlap_128x128 272.9 us vs pingpong_128x128 281.7, tma_64x128 303.2 (cuDNN
-    # 303.1; run 27); tma_64x128 before: 225 / 225 TFLOP/s vs coop_128x64 186 / 185
-    (32, False, "large"): "overlap_128x128",
-    # B8 S2048 N16 causal: pingpong_128x128 166.6 us vs overlap_128x128 179.5, tma_64x128
-    # 181.3, coop_128x64 (the pick before) 231.3 (cuDNN 178.1; run 29)
-    # Session 18 (run 120, us): pingpongk_128x128 (tiles in chunks of heads, the host's pick): B1
-    # S4096 N16 causal 75.5 vs ping-pong 111.0 (cuDNN 102.2), B8 S2048 N16 causal 167.1 vs 166.9
-    # (1.000 per round; 178.0)
-    (32, True, "large"): "pingpongk_128x128",
-    # B16 S256 N16: pingpongq_128x128 (the next tile's Q loaded ahead) 16.0 us vs ping-pong
-    # 16.6, 9 of 9 rounds faster (SDPA's fastest 16.0); causal 15.3 vs 15.8, 9 of 9 (15.7; run
-    # 79). Offered up to 256 keys; longer ones take ping-pong. Before: 16.6 us (overlap 16.6,
-    # tma 17.4, coop 23.6; cuDNN 16.1); causal 16.0 (overlap 15.8, tma 16.5; cuDNN 15.8; run 29)
-    (32, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
-    (32, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
-    (32, False, "tiny"): "tma_64x128",  # unmeasured
-    # unmeasured; coop_128x64 lost by 23-35% at every head-dim-32 shape measured (run 29)
-    (32, True, "tiny"): "pingpong_128x128",
-    # B2 S8192 N16: overlap3_192x128 1089 us vs pingpong3_192x128 1207 (cuDNN 1204; run 25);
-    # pingpong3 before: 453 / 441 / 432 TFLOP/s in runs 1-3 (coop3 445 in 3)
-    (64, False, "large"): "overlap3_192x128",
-    # B8 S2048 N16 causal (us): overlap3kl_192x128 (chunked order + lazy rescale) vs
-    # overlap3k_192x128 (chunked order) 189.9 / 189.5 vs 191.1 / 191.5 (SDPA's fastest 191.6 /
-    # 191.8; runs 58-59; the lazy rescale alone on overlap3_192x128: 197.9 / 199.3 vs 200.7 /
-    # 200.2, runs 50-51). overlap3k_192x128 (tiles heaviest first within chunks of 32 heads) vs
-    # overlap3_192x128 (the plain serpentine): 193.8 / 193.6 / 193.6 vs 199.1 / 200.7 / 197.4
-    # (SDPA's fastest 191.7 / 193.7 / 191.1; runs 55-57); Nsight Compute: the busiest SM's
-    # active cycles 1.06x the mean instead of 1.13x (cuDNN 1.08x), 189-192 vs 198 us.
-    # Session 9: overlap3_192x128 with per-warpgroup key-tile counts vs
-    # overlap_128x128 vs pingpong_128x128, one run each: 195.4 / 196.7 / 200.5 (run 42), 197.1
-    # / 198.4 / 202.0 (43), 197.8 / 198.9 / 201.8 (44); cuDNN 191.1-193.7. overlap3 without
-    # the per-warpgroup counts: 216 vs ping-pong 203 (run 24), 211.3 (42). (Runs 31-32's "with
-    # or without" timed one kernel twice: docs/field-notes.md, session 9.) Before: ping-pong,
-    # overlap_128x128 a tie with it over runs 25-34.
-    # Session 17 (run 108, medians of 9 rounds, paired per round): overlap3kls_192x128 (query
-    # blocks aligned to the last row) vs overlap3kl_192x128: B8 S2048 N16 177.4 vs 179.6 us
-    # (1.013, 7 of 9 rounds; SDPA's fastest 188.9), bf16 173.2 vs 176.6 (1.017, 9/9), B4 S1024
-    # 35.3 vs 36.4 (1.030, 9/9; cuDNN 34.1), B2 S4096 1.003, B1 S8192 1.001; where no whole
-    # warpgroup tile is left to shift (B4 S1500) 53.9 vs 53.4 (0.991, 0/9)
-    # Session 18 (runs 113 / 115): the host's chunk search over every chunk size (one chunk of
-    # all heads included) instead of 8 ... 64 below the heads: B2 S2048 N16 49.7 vs 59.7 us, B1
-    # S4096 82.9 vs 105.7, B4 S1024 32.5 vs 35.5, B8 S512 23.2 vs 25.3, B1 S8192 300.5 vs 315.3
-    # (cuDNN 57.3, 103.4, 34.1, 22.8, 336.5); unchanged at B8 S2048 N16 (chunks of 32 either way)
-    (64, True, "large"): "overlap3kls_192x128",
-    # Our wgmma short-sequence kernel where every key fits (run 18, kernel time, medians of 5):
-    # BERT B32 S128 N12 9.5 us vs pingpong_128x128 12.0 (cuDNN 10.5); B16 S256 N12: shortw_64x256
-    # 14.1 vs 15.5 (cuDNN 13.5); B32 S256 GQA 16/4: 29.0 vs 32.9 (cuDNN 28.9). GQA classes had
-    # their own table until session 6 (ping-pong won that GQA shape, 32.9 vs 36.0 us, before the
-    # short kernel's loads lost their per-copy address arithmetic; B8 S2048 Nq32 Nkv8 H128 took
-    # the cooperative kernel from run 3's best-of-two passes until the medians of runs 7 and 10
-    # said ping-pong: 957 vs 984 us and 954 vs 983 us).
-    # Session 15 (run 90, 9 rounds, paired): shortwo_64x256 (its exponentials overlapping its
-    # own P V) vs shortw_64x256: GQA 16/4 28.44 vs 28.93 us (cuDNN 28.71), B16 S256 N12 13.76
-    # vs 14.05 (13.49), 9 of 9 rounds each. Session 16 (run 99, paired): its tiles loaded by TMA
-    # (shortwot_64x256) vs shortwo_64x256: GQA 16/4 26.81 vs 28.34 us, 9 of 9 rounds (cuDNN
-    # 28.7), B16 S256 N12 13.59 vs 13.71, 9 of 9
-    (64, False, "small"): ("shortw_64x128", "shortwot_64x256", "pingpong_128x128"),
-    # B32 S128 N12 causal: shortw_64x128 10.2 us vs pingpong_128x128 12.3 (cuDNN 11.3; run 18);
-    # B16 S256 N12 causal: shortw_64x256, computing only the keys a block sees, 14.4 vs 15.2
-    # (cuDNN 13.9; run 21); shortwo_64x256 14.16 vs 14.27, 9 of 9 rounds (cuDNN 13.98; run 90);
-    # shortwot_64x256 14.05 vs 14.09, 6 of 9 (run 99)
-    # past 256 keys, pingpongk_128x128 (session 18, run 115): B1 S2048 N16 causal 27.8 us vs
-    # ping-pong 37.1, overlap3kls_192x128 30.5 (cuDNN 37.0)
-    (64, True, "small"): ("shortw_64x128", "shortwot_64x256", "pingpongk_128x128"),
-    # B4 S128 N12: shortw_64x128 3.4 us vs tma_64x128 4.2, pingpong_128x128 5.4 (cuDNN 4.8);
-    # B2 S256 N12: shortw_64x256 4.4 vs tma_64x128 5.4 (cuDNN 5.9; run 18). Pipelined (session
-    # 15, 9 of 9 rounds each in runs 91 / 92): B4 S128 shortwo_64x128 3.28 / 3.37 vs 3.41 /
-    # 3.45 (cuDNN 4.84 / 4.73); B2 S256 shortwo_64x256 4.14 vs 4.48 (cuDNN 5.96; run 91). A
-    # tiny launch is at most 264 CTAs of 64 rows: one wave at four per SM. By TMA (run 99): B2
-    # S256 shortwot_64x256 4.12 vs 4.16, 7 of 9 rounds
-    (64, False, "tiny"): ("shortwo_64x128", "shortwot_64x256", "tma_64x128"),
-    # B4 S128 N12 causal: shortw_64x128 3.6 us vs pingpong_128x128 5.7 (cuDNN 5.2; run 21); B2
-    # S256 N12 causal: shortw_64x256 5.4 vs 7.6 (cuDNN 6.2; run 22). Pipelined (run 91, 9 of 9
-    # rounds each): shortwo_64x128 3.51 vs 3.60 (cuDNN 5.15), shortwo_64x256 5.17 vs 5.33 (6.06);
-    # by TMA (run 99) shortwot_64x256 4.92 vs 5.09, 9 of 9
-    (64, True, "tiny"): ("shortwo_64x128", "shortwot_64x256", "pingpong_128x128"),
-    # overlap_128x128 vs pingpong_128x128 (run 25, us): B8 S2048 N16 431.4 vs 443.8, B4 S4096
-    # N32 1801.5 vs 1811.9, GQA 32/8 921.0 vs 932.1, bf16 415.2 vs 431.8; over runs 24-28 1-3%
-    # faster at all but B4 S4096 (+1.1, +0.6, -3.2, -3.5, +2.9%); ping-pong before: 645 / 609 /
-    # 643 TFLOP/s, GQA 32/8 954 us vs coop 983 (run 10)
-    (128, False, "large"): "overlap_128x128",
-    # Session 12 (our epilogue, out of turn, in ping-pong; runs 73 / 74, us): B8 S2048 N16
-    # causal pingpong_128x128 245.4 / 249.2 vs overlap_128x128 (the example's epilogue in turn)
-    # 255.5 / 259.1 (cuDNN 267.5 / 270.7), GQA 32/8 causal 495.6 / 498.9 vs 488.4 / 505.4
-    # (SDPA's fastest 524.7 / 534.8). Before: overlap, 254.3 vs 255.5 us, GQA 32/8 causal
-    # 509.5 vs 529.5 (run 25)
-    # Session 18 (run 120, us): pingpongk_128x128, B1 S4096 N16 132.1 vs ping-pong 165.9 (cuDNN
-    # 159.2), B3 S1024 N16 34.1 vs 35.4 (39.9), and level where no chunk beats K = 1: B8 S2048
-    # N16 251.4 vs 252.1 (272.3), GQA 32/8 506.5 vs 520.2 (535.6), B2 S2048 N16 65.3 vs 66.4
-    (128, True, "large"): "pingpongk_128x128",
-    # B16 S256 N16: pingpongq_128x128 24.4 us vs ping-pong 25.0, 9 of 9 rounds faster (cuDNN
-    # 23.0); causal 23.6 vs 24.8, 9 of 9 (cuDNN 23.3; run 79). Offered up to 256 keys: at B1
-    # S1024 N32 (a "small" launch of 256 CTAs with 8 key tiles each) it lost 12% (36.6 vs 32.1).
-    # Before: ping-pong (its overlap version lost at these: 26.2 vs 25.8, 25.3 vs 25.1, 12.4 vs
-    # 11.5, 12.6 vs 12.3 us, run 25; B16 S256 N16 25.8 us vs coop 34.0, causal 25.1 vs 32.2)
-    (128, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
-    # past 256 keys, pingpongk_128x128 (session 18, run 115): B1 S2048 N16 causal 34.9 us vs
-    # ping-pong 45.0 (cuDNN 52.2)
-    (128, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
-    # B1 S512 N16 (64 tiles of 128 rows, half the SMs idle): 128 CTAs of 64 rows, tma1_64x128
-    # 10.4 us vs pingpong_128x128 11.5 (cuDNN 11.1; runs 66, 67); causal 10.5-10.6 vs 12.2-12.3
-    # (cuDNN 11.7-11.8). Past one wave of 64-row tiles it is not offered (B2 S512 N16: 19.4 vs
-    # 12.5, run 67) and ping-pong takes the launch (before: 11.49 vs coop 11.57, run 8)
-    (128, False, "tiny"): ("tma1_64x128", "pingpong_128x128"),
-    (128, True, "tiny"): ("tma1_64x128", "pingpong_128x128"),
-    # Head dim 256: overlapc_128x64 (overlapped mainloop, lazy rescale) vs coop_128x64 (the only
-    # variant until session 10), us. B4 S2048 N8: 199.3 / 197.9 vs 210.5 / 210.5, overlapc
-    # without the lazy rescale 212.3 / 212.0 (cuDNN 207.3 / 208.7; runs 50-51); 197.1 / 198.1 vs
-    # 210.9 / 211.2 (cuDNN 208.1 / 208.5; runs 52-53). Sweep (run 54, cuDNN in brackets): B4
-    # S2048 N8 causal 145.4 vs 156.1 (152.9); B16 S256 N8 28.0 vs 28.8 (26.5), causal 27.6 vs
-    # 28.2 (25.4); B1 S1024 N8 27.3 vs 28.1 (27.9), causal 26.5 vs 28.5 (28.2). Run 71 (session
-    # 11, overlapc's first key tile through our own softmax): B4 S2048 N8 causal 144.4 vs 153.7
-    # (151.4); B16 S256 N8 27.9 vs 28.8 (26.2), causal 27.2 vs 28.3 (25.3); B1 S1024 N8 25.8 vs
-    # 28.0 (28.1), causal 26.2 vs 28.4 (28.3).
-    # Session 14, persistent kernels in 128 x 64 tiles, us. Run 84: with the three K/V stages
-    # that fit next to the epilogue's own buffers (overlapkv3: overlapc's mainloop; pingpongkv3:
-    # the example's), B16 S256 N8 causal 25.2 / 26.1 vs overlapc 26.7 (cuDNN 25.5), elsewhere up
-    # to 63% slower (B4 S2048 N8 287 vs 192). Run 86: with O staged in the Q stage, five K/V
-    # stages (overlapoq: our epilogue in turn; pingpongoq: the example's mainloop, ours out of
-    # turn) vs overlapc, 9 of 9 rounds each: B4 S2048 N8 188.4 vs 191.3 (cuDNN 204.9), causal
-    # 124.6 vs 141.8 (146.7), B16 S256 N8 25.1 vs 27.7 (26.5), causal 23.7 vs 26.8 (25.5), B8
-    # S512 N8 34.3 vs 35.8 (36.8); pingpongoq 221.5, 148.7, 25.7, 24.3, 37.1. At B1 S1024 N8
-    # (64 CTAs, one partial wave) overlapc stays ahead: 25.5 vs 25.8, causal 25.7 vs 26.2
-    (256, False, "large"): "overlapoq_128x64",
-    (256, True, "large"): "overlapoq_128x64",
-    (256, False, "small"): "overlapoq_128x64",
-    (256, True, "small"): "overlapoq_128x64",
-    (256, False, "tiny"): "overlapc_128x64",
-    (256, True, "tiny"): "overlapc_128x64",
 }
 
 #: the H200's SMs: fewer 128-row tiles than this is a "tiny" launch (less than one wave)
@@ -566,7 +427,7 @@ def _ctas(spec: AttentionSpec, block_q: int) -> int | None:
     return spec.batch * spec.num_q_heads * math.ceil(spec.seq_q / block_q)
 
 
-def shape_class(spec: AttentionSpec) -> tuple[int, bool, str]:
+def shape_class(spec: AttentionSpec) -> ShapeClass:
     """The SELECTION key of ``spec``; dynamic shapes count as large."""
     tile = tile_head_dim(spec.head_dim) or 0
     ctas = _ctas(spec, 128)
@@ -580,14 +441,14 @@ def shape_class(spec: AttentionSpec) -> tuple[int, bool, str]:
     return (tile, spec.causal != "none", size)
 
 
-def _preferences(choice: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def _preferences(choice: Choice | None) -> tuple[str, ...]:
     return () if choice is None else (choice,) if isinstance(choice, str) else choice
 
 
 def pick(spec: AttentionSpec) -> str | None:
     """The measured variant for ``spec``'s shape class: the first of the class's preferences
     that takes ``spec``, or None."""
-    choice: str | tuple[str, ...] | None = SELECTION.get(shape_class(spec))
+    choice: Choice | None = SELECTION.get(shape_class(spec))
     return next((n for n in _preferences(choice) if VARIANTS[n].takes(spec)), None)
 
 

@@ -105,12 +105,12 @@ def test_variants_by_head_dim() -> None:
         "pingpongB_128x128",
         "pingpongk_128x128",
     }
-    # offered for at most 256 keys (run 79)
+    # offered for at most 256 keys (longer tiles lose up to 12%: commit 2b192ab)
     assert "pingpongq_128x128" in hopper.variants(stacked(seq=256, h=128))
     assert "tma_64x128" in hopper.variants(stacked(h=64))
     assert "pingpong3_192x128" in hopper.variants(stacked(h=64))
     # head dim 256: the persistent kernel with O in the Q stage, except for launches of less
-    # than one wave of tiles (run 86)
+    # than one wave of tiles (commit c866e95)
     assert hopper.variants(stacked(h=256)) == [
         "overlapoq_128x64",
         "overlapc_128x64",
@@ -217,36 +217,36 @@ def test_shape_classes_follow_the_measurements() -> None:
     # one wave or less of 128-row tiles: 64-row tiles (B4 S128 N12 H64 measured 1.33x faster)
     tiny = stacked(batch=4, seq=128, nq=12, nkv=12, h=64)
     assert hopper.shape_class(tiny) == (64, False, "tiny")
-    # every key fits our short-sequence kernel (3.4 vs 4.2 us for tma_64x128, run 18), up to 256
-    # keys (4.4 vs 5.4 us); past that, 64-row TMA tiles. Within one wave its pipelined version
-    # (four CTAs per SM: 3.28 vs 3.41 us, run 91)
+    # every key fits our short-sequence kernel (3.4 vs 4.2 us for tma_64x128, commit 02fc3b8), up
+    # to 256 keys (4.4 vs 5.4 us); past that, 64-row TMA tiles. Within one wave its pipelined
+    # version (four CTAs per SM: 3.28 vs 3.41 us, commit 9466ce9)
     assert hopper.variants(tiny)[0] == "shortwo_64x128"
     assert hopper.variants(stacked(batch=2, seq=100, nq=16, nkv=4, h=64))[0] == "shortwo_64x128"
     longer = stacked(batch=2, seq=256, nq=12, nkv=12, h=64)
     assert hopper.shape_class(longer) == (64, False, "tiny")
-    # pipelined (4.12 vs 4.41 us unpipelined, run 90), loaded by TMA (4.12 vs 4.16, run 99)
+    # pipelined (4.12 vs 4.41 us unpipelined, 9466ce9), loaded by TMA (4.12 vs 4.16, a36b2fe)
     assert hopper.variants(longer)[0] == "shortwot_64x256"
     assert hopper.variants(stacked(batch=1, seq=300, nq=12, nkv=12, h=64))[0] == "tma_64x128"
-    # causal too (3.6 vs 5.7 us for ping-pong, run 21; 5.4 vs 7.6 at 256 keys, run 22); past
-    # 256 keys, ping-pong as before
+    # causal too (3.6 vs 5.7 us for ping-pong; 5.4 vs 7.6 at 256 keys; commit cbf7a49); past
+    # 256 keys, ping-pong
     tiny_causal = stacked(batch=4, seq=128, nq=12, nkv=12, h=64, causal="TopLeft")
     assert hopper.variants(tiny_causal)[0] == "shortwo_64x128"
     longer_causal = stacked(batch=2, seq=256, nq=12, nkv=12, h=64, causal="BottomRight")
     assert hopper.variants(longer_causal)[0] == "shortwot_64x256"
     longest_causal = stacked(batch=1, seq=300, nq=12, nkv=12, h=64, causal="BottomRight")
     assert hopper.variants(longest_causal)[0] == "pingpong_128x128"
-    # a small causal launch past 256 keys: ping-pong in chunks of heads (B1 S2048 N16 27.8 us vs
-    # ping-pong 37.1, overlap3kls_192x128 30.5; session 18, run 115)
+    # a small causal launch past 256 keys: ping-pong in chunks of heads (27.6 us vs ping-pong
+    # 37.0, overlap3kls_192x128 30.8: hopper_kernel.md, b1_s2048_n16_h64_causal)
     assert hopper.variants(stacked(batch=1, seq=2048, h=64, causal="TopLeft"))[0] == (
         "pingpongk_128x128"
     )
     # long sequences: the overlapped mainloop (FlashAttention-3's intra-warpgroup overlap) at
-    # head dim 128 and with three warpgroups at 64 (1089 vs 1207 us, run 25)
+    # head dim 128 and with three warpgroups at 64 (1089 vs 1207 us, commit 7174178)
     assert hopper.variants(stacked(h=128))[0] == "overlap_128x128"
-    # causal head dim 128 went back to ping-pong once its epilogues ran out of turn (245.4 vs
-    # 255.5 us, runs 73-74); since session 18 its tiles go in chunks of heads chosen on the host
-    # (B1 S4096 N16 132.1 vs 165.9 us, B1 S2048 N16 34.8 vs 45.1; B8 S2048 N16 251.4 vs 252.1;
-    # run 120), small, large and dynamic launches alike
+    # causal head dim 128: ping-pong with its epilogues out of turn (245.4 vs the overlapped
+    # kernel's 255.5 us, commit 499bb57), its tiles in chunks of heads chosen on the host
+    # (hopper_kernel.md: b1_s4096_n16_h128_causal 123.3 vs 162.3 us, b1_s2048_n16_h128_causal
+    # 34.6 vs 45.0), small, large and dynamic launches alike
     assert hopper.variants(stacked(h=128, causal="TopLeft"))[0] == "pingpongk_128x128"
     prompt = stacked(batch=1, seq=2048, h=128, causal="TopLeft")
     assert hopper.shape_class(prompt) == (128, True, "small")
@@ -255,13 +255,14 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert hopper.variants(dynamic)[0] == "pingpongk_128x128"
     assert "heaviest first" in hopper.VARIANTS["pingpongk_128x128"].words(causal=True)
     assert hopper.variants(stacked(batch=2, seq=8192, h=64))[0] == "overlap3_192x128"
-    # and at head dim 32 (272.9 vs tma_64x128's 303.2 us, run 27; cuDNN 303.1); causal and
-    # short head-dim-32 launches take ping-pong, the cooperative kernel lost by 23-35% (run 29)
+    # and at head dim 32 (272.9 vs tma_64x128's 303.2 us, commit 7174178; cuDNN 303.1); causal
+    # and short head-dim-32 launches take ping-pong, the cooperative kernel lost by 23-35%
+    # (commit 1738cde)
     assert hopper.variants(stacked(h=32))[0] == "overlap_128x128"
-    # in chunks of heads since session 18 (B1 S4096 N16 causal 75.5 vs 111.0 us, run 120)
+    # in chunks of heads (75.6 vs 110.9 us: hopper_kernel.md, b1_s4096_n16_h32_causal)
     assert hopper.variants(stacked(h=32, causal="TopLeft"))[0] == "pingpongk_128x128"
     # head dim 128, one short sequence (B1 S512 N16: 64 tiles of 128 rows leave half the SMs
-    # idle): 128 CTAs of 64 rows (10.4 vs 11.5 us, runs 66-67), but only in one wave (B2 S512:
+    # idle): 128 CTAs of 64 rows (10.4 vs 11.5 us, commit 3425fc6), but only in one wave (B2 S512:
     # 19.4 vs 12.5 us), and a dynamic batch counts as large
     one = stacked(batch=1, seq=512, h=128)
     assert hopper.shape_class(one) == (128, False, "tiny")
@@ -276,7 +277,7 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert "tma1_64x128" not in hopper.variants(stacked(batch=DYNAMIC, seq=512, h=128))
     assert "one wave" in hopper.VARIANTS["tma1_64x128"].kind
     # short key ranges at head dims 32 and 128: ping-pong with the next tile's Q loaded ahead
-    # (16.0 vs 16.6 us, 24.4 vs 25.0, causal 23.6 vs 24.8; run 79), only up to 256 keys (B1
+    # (16.0 vs 16.6 us, 24.4 vs 25.0, causal 23.6 vs 24.8; commit 2b192ab), only up to 256 keys (B1
     # S1024 N32, a "small" launch too: 36.6 vs 32.1 us) and never for a dynamic key length
     assert hopper.variants(stacked(batch=16, seq=256, h=32))[0] == "pingpongq_128x128"
     assert hopper.variants(stacked(batch=16, seq=256, h=32, causal="TopLeft"))[0] == (
@@ -289,44 +290,44 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert "pingpongq_128x128" not in hopper.variants(stacked(batch=16, seq=DYNAMIC, h=128))
     assert "at most 256 keys" in hopper.VARIANTS["pingpongq_128x128"].kind
     # long causal head dim 64: three warpgroups, each computing only the key tiles its rows
-    # see (195-198 vs ping-pong's 200-202 us, runs 42-44), their tiles handed out heaviest
-    # first within chunks of heads (193.6-193.8 vs 197.4-200.7 us, runs 55-57), O rescaled
-    # lazily (189.5-189.9 vs 191.1-191.5, runs 58-59), the query blocks aligned to the last row
-    # (177.4 vs 179.6 us, 7 of 9 rounds; B4 S1024 35.3 vs 36.4, 9 of 9; run 108)
+    # see (195-198 vs ping-pong's 200-202 us, commit e95036c), their tiles handed out heaviest
+    # first within chunks of heads (193.6-193.8 vs 197.4-200.7 us, 2fdf822), O rescaled lazily
+    # (189.5-189.9 vs 191.1-191.5, 62e9b00), the query blocks aligned to the last row (177.4 vs
+    # 179.6 us, 7 of 9 rounds; B4 S1024 35.3 vs 36.4, 9 of 9; c9a21ab)
     assert hopper.variants(stacked(seq=2048, h=64, causal="TopLeft"))[0] == "overlap3kls_192x128"
-    # short prompts at head dim 128: ping-pong (its overlapped version lost there, run 25), with
-    # the next tile's Q loaded ahead (run 79)
+    # short prompts at head dim 128: ping-pong (its overlapped version lost there, commit
+    # 7174178), with the next tile's Q loaded ahead (2b192ab)
     assert hopper.variants(stacked(batch=16, seq=256, nq=16, nkv=16, h=128))[0] == (
         "pingpongq_128x128"
     )
     assert hopper.variants(stacked(batch=16, seq=256, h=128, causal="TopLeft"))[0] == (
         "pingpongq_128x128"
     )
-    # BERT-base: 384 CTAs but one key tile each: "small"; our kernel (9.5 vs 12.0 us, run 18)
+    # BERT-base: 384 CTAs but one key tile each: "small"; our kernel (9.5 vs 12.0 us, 02fc3b8)
     bert = stacked(batch=32, seq=128, nq=12, nkv=12, h=64)
     assert hopper.shape_class(bert) == (64, False, "small")
     assert hopper.variants(bert)[0] == "shortw_64x128"
     assert hopper.variants(stacked(batch=32, seq=128, h=64, causal="TopLeft"))[0] == (
         "shortw_64x128"
     )
-    # causal at 129-256 keys: the 256-key kernel (14.4 vs ping-pong's 15.2 us, run 21), its
-    # exponentials overlapping its own P V since session 15 (14.16 vs 14.27 us, run 90), its
-    # tiles loaded by TMA since session 16 (14.05 vs 14.09, run 99)
+    # causal at 129-256 keys: the 256-key kernel (14.4 vs ping-pong's 15.2 us, commit cbf7a49),
+    # its exponentials overlapping its own P V (14.16 vs 14.27 us, 9466ce9), its tiles loaded by
+    # TMA (14.05 vs 14.09, a36b2fe)
     assert hopper.variants(stacked(batch=16, seq=256, h=64, causal="TopLeft"))[0] == (
         "shortwot_64x256"
     )
-    # 256 keys: our 256-key kernel, MHA (14.1 vs 15.5 us) and GQA (29.0 vs 32.9; run 18), now
-    # pipelined (13.76 vs 14.05, 28.44 vs 28.93; run 90), loaded by TMA (13.59 vs 13.71, 26.81 vs
-    # 28.34; run 99)
+    # 256 keys: our 256-key kernel, MHA (14.1 vs 15.5 us) and GQA (29.0 vs 32.9; 02fc3b8),
+    # pipelined (13.76 vs 14.05, 28.44 vs 28.93; 9466ce9), loaded by TMA (13.59 vs 13.71, 26.81
+    # vs 28.34; a36b2fe)
     assert hopper.variants(stacked(batch=16, seq=256, nq=12, nkv=12, h=64))[0] == "shortwot_64x256"
     assert hopper.variants(stacked(batch=32, seq=256, nq=16, nkv=4, h=64))[0] == "shortwot_64x256"
     assert hopper.variants(stacked(batch=32, seq=128, nq=16, nkv=4, h=64))[0] == "shortw_64x128"
     # GQA at long sequences: the overlapped ping-pong too (921 vs 932 us; causal 510 vs 530,
-    # run 25; the cooperative kernel lost to ping-pong in run 10, 954 vs 983 us)
+    # commit 7174178; the cooperative kernel lost to ping-pong, 954 vs 983 us, 2e55e3e)
     assert hopper.variants(stacked(nq=32, nkv=8))[0] == "overlap_128x128"
     assert hopper.variants(stacked(nq=32, nkv=32))[0] == "overlap_128x128"
-    # causal GQA with the causal class: ping-pong since session 12 (495.6 / 498.9 vs 488.4 /
-    # 505.4 us, runs 73-74), in chunks of heads since session 18 (506.5 vs 520.2 us, run 120)
+    # causal GQA with the causal class: ping-pong (495.6 / 498.9 vs 488.4 / 505.4 us, commit
+    # 499bb57), in chunks of heads (506.5 vs 520.2 us, bb53392)
     assert hopper.variants(stacked(nq=32, nkv=8, causal="TopLeft"))[0] == "pingpongk_128x128"
     # dynamic shapes count as large
     assert hopper.shape_class(stacked(batch="b", seq="s"))[2] == "large"
@@ -621,10 +622,10 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     program (no GPU needed). Without a mask the grid shrinks only when the last round would hold
     at most a quarter of the SMs (4096 tiles: 128 CTAs of 32; 2048: 132, its last round holds
     68). The causal orders take the chunk of heads the cost model favours: 32 heads at B8 S2048
-    N16 and B2 S2048 N16 (all of them: session 18's search), all 64 at B4 S1000 N16, and at head
-    dim 128 chunks of one head (each head heaviest first, as balanced as the plain order) where
-    no larger chunk is kMinGain ahead (B8 S2048 N16) and 9 heads where one is (B1 S4096 N16: 77
-    tile steps for the busiest CTA instead of 104)."""
+    N16 and B2 S2048 N16 (all of them: the search tries every chunk size), all 64 at B4 S1000
+    N16, and at head dim 128 chunks of one head (each head heaviest first, as balanced as the
+    plain order) where no larger chunk is kMinGain ahead (B8 S2048 N16) and 9 heads where one is
+    (B1 S4096 N16: 77 tile steps for the busiest CTA instead of 104)."""
     chain = find_toolchain()
     src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
     src.write_text(_SCHEDULER_PROBE)
@@ -716,7 +717,8 @@ def test_prebuild_covers_every_configuration_the_selection_picks() -> None:
 def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
     """The kernel benchmark builds one configuration with and without a -D switch; if both
     keep one Config type, the linker keeps one launch<Config> and both time the same kernel
-    (session 8's experiments did). Each flag set must name a Config of its own."""
+    (four experiments once timed one kernel twice this way). Each flag set must name a Config
+    of its own."""
     from benchmarks.hopper_kernel import _own_names
 
     ks = hopper.render(stacked(h=64, causal="TopLeft"), "s", "overlap3_192x128")

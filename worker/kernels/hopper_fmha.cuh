@@ -71,8 +71,8 @@ enum class CausalMode : int { kNone = 0, kTopLeft = 1, kBottomRight = 2 };
 // offset - s. A warpgroup tile before row 0 only drains its K/V and stores nothing.
 // Why: under a causal mask a ragged last block is the heaviest (it sees every key), the first
 // the lightest; shifted, the rows the ragged block wastes are the first block's, which sees one
-// key tile. Measured at 192 x 128 tiles, head dim 64 (session 17): 1.3-1.9% faster at 2048 rows,
-// 3% at 1024, 0.9% slower where nothing shifts (docs/hopper-kernel.md).
+// key tile. Measured at 192 x 128 tiles, head dim 64: 1.3-1.9% faster at 2048 rows, 3% at
+// 1024, 0.9% slower where nothing shifts (commit c9a21ab; docs/hopper-kernel.md).
 // (`row_shift` itself is in hopper_kernel_ws.cuh, whose epilogue needs it first.)
 template <CausalMode kMode, int kShiftBlock = 0>
 struct StackfuseMask : cutlass::fmha::collective::DefaultFusion {
@@ -244,7 +244,7 @@ struct SerpentineScheduler {
 };
 
 // Persistent, serpentine over a heavy-first order within chunks of heads (the `ChunkedOrder`
-// option; session 10). With 192-row tiles a head has 11 query blocks at 2048 rows, which do not
+// option). With 192-row tiles a head has 11 query blocks at 2048 rows, which do not
 // divide the 132 CTAs' rounds: the plain serpentine pairs heavy with light blocks for ten rounds
 // and hands the last, partial round's 88 tiles (light to heavy) to 88 CTAs, max/mean ~1.10 by a
 // cost model of key tiles per block. Listing the blocks of each chunk of K heads heaviest first
@@ -270,8 +270,8 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   static constexpr long kSimSteps = 1L << 18;
   // how much lighter (a share of the mean CTA load) the busiest CTA must be for chunks of several
   // heads to replace chunks of one: a chunk of heads gives up some of one head's K/V reuse in L2
-  // (run 113: chunks the model put 1.6-2.1% ahead of the plain order ran 0.6-1.4% slower; 4.6%
-  // and more paid)
+  // (chunks the model put 1.6-2.1% ahead of the plain order ran 0.6-1.4% slower; 4.6% and more
+  // paid; commit 7bcb0ef)
   static constexpr double kMinGain = 0.03;
 
   Params const& chunked;  // the kernel's (parameter space): read where needed, not copied
@@ -288,8 +288,9 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   }
 
   // Tile `tile` of the chunked order: its query block (heaviest first within its chunk) and its
-  // head (mode 0 x mode 1 index), by FastDivmod (session 18, run 116); the device's
-  // (get_block_coord) and the host simulation's (busiest)
+  // head (mode 0 x mode 1 index), by FastDivmod (0.7% faster than integer division on
+  // overlap3kls, commit dc2a7c5); the device's (get_block_coord) and the host simulation's
+  // (busiest)
   CUTLASS_HOST_DEVICE static void chunked_tile(int tile, Params const& p, int& m, int& rest) {
     int c, u, r, j;
     p.divmod_chunk_tiles(c, u, tile);
@@ -365,10 +366,10 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   // list 8 ... 64 plus that largest K); a larger K must beat a smaller one by 1% of the mean
   // load, and the best chunk K = 1 by kMinGain. K = 1 (each head's blocks heaviest first, the
   // heads in order) stands in for the plain order: the same balance by the model, and no branch
-  // between two orders on the device, which cost 0.5-4.4% where the plain order ran (run 120).
-  // Session 10's search tried only the coarse list below the heads, which left launches of a few
-  // waves unbalanced (run 113, B2 S2048 N16 causal in 192-row blocks: the busiest CTA 37.5 tile
-  // steps by the model, 30.5 with one chunk of all 32 heads; 59.7 us then, 49.7 now)
+  // between two orders on the device, which cost 0.5-4.4% where the plain order ran (commit
+  // bb53392). The coarse list alone leaves launches of a few waves unbalanced (B2 S2048 N16
+  // causal in 192-row blocks: the busiest CTA 37.5 tile steps by the model, 30.5 with one chunk
+  // of all 32 heads; 59.7 vs 49.7 us, commit 7bcb0ef)
   static int choose_chunk(Shape const& s) {
     thread_local Shape seen[8];
     thread_local int chosen[8];
@@ -416,13 +417,13 @@ struct ChunkedSerpentineScheduler : SerpentineScheduler {
   }
 };
 
-// Persistent, tiles in the example's order (the non-causal ping-pong kernels; session 10). T
+// Persistent, tiles in the example's order (the non-causal ping-pong kernels). T
 // equal tiles on P SMs take R = ceil(T / P) rounds, the last one on T - (R - 1) P SMs. When that
 // last round holds at most a quarter of the SMs (4 of 132 at B4 S4096 N32 H128 and at GQA 32/8
 // B8 S2048: 4096 tiles), the grid shrinks to ceil(T / R): the same R rounds on every CTA, and
 // the SMs left idle give their share of the power-bound card's budget to the others from the
 // start instead of 128 of them waiting for 4 (GQA 32/8 1.1-1.4%, B4 S4096 0.5-0.9% faster,
-// runs 61-62). With a fuller last round (68 of 132 at 2048 tiles) the smaller grid lost up
+// commit b2ec89a). With a fuller last round (68 of 132 at 2048 tiles) the smaller grid lost up
 // to 1.5% (head dim 32) and it is left as it is.
 struct BalancedPersistentScheduler : cutlass::fmha::kernel::PersistentTileScheduler {
   using Base = cutlass::fmha::kernel::PersistentTileScheduler;

@@ -10,14 +10,14 @@
 // (conversion, shared-memory stores, barriers, TMA stores and their wait) with the tensor cores
 // idle. With a tile of only two key blocks (B16 S256 at head dim 128) that is a large share of
 // the tile; Nsight Compute put 23% of the consumer warps' stall samples in the tail and epilogue
-// (docs/hopper-kernel.md, session 11). The turn cannot simply be dropped: CUTLASS's collective
-// epilogue syncs every warpgroup on one named barrier (`EpilogueBarrier`), so two epilogues at
-// once would race (session 8).
+// (commit c3963fa). The turn cannot simply be dropped: CUTLASS's collective epilogue syncs every
+// warpgroup on one named barrier (`EpilogueBarrier`), so two epilogues at once would race
+// (commit 0208341).
 //
 // `OwnEpilogue` stores a warpgroup's whole O tile with one TMA store from shared memory of its
 // own (in the persistent kernels, unless `EpilogueInQ` stages it in the warpgroup's finished Q
-// stage as the non-persistent kernels always do, like the example's epilogue; session 14: the
-// head-dim-256 persistent kernel), syncs on a named barrier of its own, and does not wait for the
+// stage as the non-persistent kernels always do, like the example's epilogue: the head-dim-256
+// persistent kernel), syncs on a named barrier of its own, and does not wait for the
 // store: the next tile's epilogue waits before it writes the buffer again, and the kernel waits
 // once before it exits. No `alpha * acc` (the example's linear combination with alpha 1).
 // `WarpSpecializedKernel` derives from the example's kernel (types, Params, shared storage,
@@ -26,7 +26,7 @@
 // for the epilogue's turn, the final wait and one runtime advance of the Q pipeline state in place
 // of its per-warpgroup chains of constant ones.
 //
-// Measured on an H200 (runs 73-74, docs/hopper-kernel.md, session 12): the example's ping-pong
+// Measured on an H200 (commit 499bb57): the example's ping-pong
 // mainloop 2-6% faster with it (B8 S2048 N16 H128 causal 245.4 / 249.2 vs 252.6 / 256.5 us,
 // B16 S256 N16 25.0 vs 25.5-25.6, B1 S512 N16 10.9 vs 11.4-11.6), the cooperative head-dim-256
 // kernel 0.4-2%. Our overlapped mainloop lost without the turn (up to 18%: B8 S2048 N16 H32
@@ -46,7 +46,7 @@
 #define STACKFUSE_EPILOGUE_IN_TURN 0
 #endif
 
-// A probe (session 14), only in objects built with -DSTACKFUSE_TIMELINE=N: %globaltimer stamps
+// A probe, only in objects built with -DSTACKFUSE_TIMELINE=N: %globaltimer stamps
 // at each CTA's start and around each consumer warpgroup's tiles, into a buffer the host names
 // with stackfuse_timeline_set_N(pointer, CTAs it holds) (benchmarks/timeline_probe.py). Why:
 // Nsight Compute gives each SM's active cycles, not when each CTA started and ended, which is
@@ -90,8 +90,7 @@ namespace hopper {
 // Option tag: the example's epilogue, in turn. For the overlapped mainloop in the persistent
 // kernels: it orders its warpgroups only at a tile's first Q K^T, and the example's epilogues in
 // turn are what stagger them at the next tile; out of turn (no stagger) it lost up to 18%, in
-// turn with our shorter epilogue 1-7% at the long head-dim-128 launches (runs 73-74,
-// docs/hopper-kernel.md, session 12).
+// turn with our shorter epilogue 1-7% at the long head-dim-128 launches (commit 499bb57).
 struct ExampleEpilogue {
   static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1004);  // not CUTLASS's
   using option_value = cute::true_type;
@@ -114,8 +113,8 @@ inline constexpr bool kEpilogueInTurn = kExampleEpilogue<Options...> ||
 
 // Option tag (persistent kernels, our epilogue): O staged in the warpgroup's own Q stage, which is
 // released to the Q warp only once the TMA store has read it, instead of a buffer of its own:
-// 32 KB freed at head dim 128 for a sixth K/V stage or a second Q stage (session 13, not kept
-// there), 64 KB at head dim 256 for five K/V stages instead of three (session 14)
+// 32 KB freed at head dim 128 for a sixth K/V stage or a second Q stage (0.89-0.98x, not kept
+// there: commit 0a43dd9), 64 KB at head dim 256 for five K/V stages instead of three (c866e95)
 struct EpilogueInQ {
   static constexpr auto tag = static_cast<cutlass::fmha::kernel::Tag>(1006);  // not CUTLASS's
   using option_value = cute::true_type;
@@ -426,10 +425,10 @@ struct WarpSpecializedKernel
 
     // Q is the CTA's own, but a pipeline built for a 1x1x1 cluster (the example's) releases its
     // stages to the cluster's CTA 0: in a cluster of two the second CTA's releases landed on the
-    // first's barrier and its Q warp waited forever once it took a second tile (session 13,
-    // commit f6e81bd, run 77). Built for the kernel's cluster, each consumer warpgroup releases
-    // its Q stage to every CTA of the cluster and each barrier counts all of them. Our kernels
-    // are 1x1x1 (TMA multicast in pairs was no faster, run 78); this and the tail below keep
+    // first's barrier and its Q warp waited forever once it took a second tile (commit
+    // f6e81bd). Built for the kernel's cluster, each consumer warpgroup releases its Q stage to
+    // every CTA of the cluster and each barrier counts all of them. Our kernels are 1x1x1 (TMA
+    // multicast in pairs was no faster: 0.90-1.01x, f6e81bd); this and the tail below keep
     // the kernel right for any cluster shape.
     MainloopPipelineOuter pipeline_outer(storage.pipeline_storage_outer, pipeline_params_outer,
                                          ClusterShape{});

@@ -15,7 +15,7 @@
 // and replaces only `compute`; loads, pipelines, shared storage, scheduler and kernel are the
 // example's. The loop follows the example's `compute` (BSD-3-Clause, Copyright (c) 2024 - 2025
 // NVIDIA CORPORATION & AFFILIATES) with the order changed and two details of ptxas handled
-// (see `compute`). Measured on an H200 (docs/hopper-kernel.md, session 7): 1-4% faster than
+// (see `compute`). Measured on an H200 (commit e0e9c94): 1-4% faster than
 // the example's ping-pong at head dim 128, 10% with three warpgroups at head dim 64.
 #pragma once
 
@@ -71,7 +71,7 @@ struct OverlapMainloop : Base {
   // The result is the same online softmax: sums and O share the stale maximum, and the tail
   // divides one by the other. Pays where O is large next to S: head dim 256 with 64-key tiles
   // (128 FMULs per thread and tile for 32 exponentials), 212 -> 198-199 us at B4 S2048 N8
-  // (session 10, runs 50-51); at head dims 32-128 with 128-key tiles it lost 1-4% (the branch
+  // (commit 2fdf822); at head dims 32-128 with 128-key tiles it lost 1-4% (the branch
   // costs more than the FMULs), so only the variants that name the option have it.
   static constexpr bool kLazyRescale = kLazyRescaleO;
   static constexpr float kRescaleLog2 = 8.f;
@@ -84,8 +84,8 @@ struct OverlapMainloop : Base {
   // Block 0's softmax is ours too (one MUFU.EX2 per probability; the mask only where tile 0
   // has masked keys) instead of the example's step, which masks every first tile and calls
   // exp2f (a range check and two multiplies more per probability): 17% fewer instructions at
-  // B16 S256 N16 H128, where that block is half of every tile's softmax (Nsight Compute,
-  // session 11). Side by side on the H200 (run 67, medians of 9 rounds) it was faster in both
+  // B16 S256 N16 H128, where that block is half of every tile's softmax (Nsight Compute).
+  // Side by side on the H200 (medians of 9 rounds, commit 3425fc6) it was faster in both
   // lazy-rescale kernels: 185.4 vs 190.5 us at B8 S2048 N16 H64 causal (three warpgroups, 9 of
   // 9 rounds), 192.2 vs 193.8 at B4 S2048 N8 H256 (cooperative, 8 of 9). In the two-warpgroup
   // ping-pong kernels ptxas scheduled the loop differently and long head-dim-128 launches lost
@@ -197,8 +197,8 @@ struct OverlapMainloop : Base {
     // Key tiles: the producer loads the CTA's (`cta_total`, from the CTA's last row). Under a
     // causal mask with three 64-row warpgroups (a 192-row CTA over 128-key tiles) each
     // warpgroup computes only those its own rows see (`total`) and passes the rest back
-    // unread (`drain`): ~10% fewer tiles, 211 -> 195-198 us at B8 S2048 N16 H64 (session 9,
-    // three runs). With two warpgroups both see the same tiles, and without a mask every
+    // unread (`drain`): ~10% fewer tiles, 211 -> 195-198 us at B8 S2048 N16 H64 (three runs,
+    // commit e95036c). With two warpgroups both see the same tiles, and without a mask every
     // warpgroup sees every tile: those kernels keep the example's count, and their code.
     int unmasked = Fusion{}.get_unmasked_trip_count(blk_coord, TileShape{}, problem_size);
     int total = unmasked + Fusion{}.get_masked_trip_count(blk_coord, TileShape{}, problem_size);

@@ -5,9 +5,9 @@
 // one 128-row tile per SM; this kernel is small (96 registers and 42 KB at 128 keys), so five
 // CTAs share an SM and most loads of the launch are in flight at once. No online softmax: the
 // whole key range is one tile. Both products (and the row sums) run on wgmma (an mma.sync
-// version, session 4, was bound by its tensor-core rate: 13.4 us at BERT-base). What bounds it
-// now is instruction issue (ncu, session 6), so every per-element step is kept to a minimum:
-// 9.5 us at BERT-base.
+// version was bound by its tensor-core rate: 13.4 us at BERT-base). What bounds it now is
+// instruction issue (Nsight Compute, commit 02fc3b8), so every per-element step is kept to a
+// minimum: 9.5 us at BERT-base.
 #pragma once
 
 #include <cmath>
@@ -297,8 +297,8 @@ __device__ __forceinline__ void product_pv(float const (&s)[kN][4], uint4 const*
 
 // The softmax's exponentials and P V in two halves of the keys: the first half's wgmma group is
 // committed and left running while the second half is exponentiated, so the exponentials
-// (MUFU) overlap the tensor core's P V inside the warpgroup, not only across CTAs (run 90: GQA
-// 16/4 B32 S256 28.44 vs 28.93 us, B2 S256 N12 4.12 vs 4.41). Not in quarters: with three
+// (MUFU) overlap the tensor core's P V inside the warpgroup, not only across CTAs (GQA 16/4 B32
+// S256 28.44 vs 28.93 us, B2 S256 N12 4.12 vs 4.41; commit 9466ce9). Not in quarters: with three
 // quarters of S still in registers when the first group is issued, the 168 registers of three
 // CTAs per SM are too few and ptxas serializes the wgmma (C7512); at 128 keys even halves need
 // more than the 96 registers of five CTAs per SM, so the pipelined 128-key kernel runs four.
@@ -507,7 +507,7 @@ __device__ __forceinline__ void attend_seen(uint4* sQ, uint4 const* sK, uint4 co
 // grid: (ceil(seq_q / 64), q heads, batch); block: 128 threads; dynamic smem smem_bytes<kKeys>().
 // V is in flight while Q K^T and the softmax run. Causal at 256 keys: a block computes only the
 // keys its last row sees, rounded up to 64 (a 64 x 64, 128, 192 or 256 product; 160 of 256 on
-// average at S 256): B16 S256 N12 15.2 -> 14.4 us (run 21). Not at 128 keys, where the two
+// average at S 256): B16 S256 N12 15.2 -> 14.4 us (commit cbf7a49). Not at 128 keys, where the two
 // copies of the math cost more than the first block's 64 keys save (10.2 -> 10.4 us).
 // Registers: ~96 at 128 keys, <= 168 at 256: as many CTAs per SM (5, 3) as the shared memory
 // allows (without the bound at 256 keys nvcc takes 228 and only two fit). kPipelined: the
@@ -568,13 +568,13 @@ constexpr int smem_bytes_tma() {
   return smem_bytes<kKeys>() + 16;  // two mbarriers after the ones
 }
 
-// The kernel with its tiles loaded by TMA (option ShortTma, session 16): one thread issues three
+// The kernel with its tiles loaded by TMA (option ShortTma): one thread issues three
 // tensor copies, Q and K on barrier 0, V on barrier 1, so the loads cost no instructions per copy
 // (the cp.async kernel spends ~280 on them at 256 keys) and each lands as a few large L2
 // requests. At 129-256 keys it is as fast or faster at every shape measured: GQA 16/4 B32 S256
-// 26.8 vs 28.3 us, 9 of 9 rounds (run 99). At 128 keys it is slower (BERT-base 9.8-10.3 vs 9.6
-// us), and TMA always fetches the whole box, where the cp.async kernel skips the keys a causal
-// block does not see; the 128-key variants keep cp.async.
+// 26.8 vs 28.3 us, 9 of 9 rounds (commit a36b2fe). At 128 keys it is slower (BERT-base 9.8-10.3
+// vs 9.6 us), and TMA always fetches the whole box, where the cp.async kernel skips the keys a
+// causal block does not see; the 128-key variants keep cp.async.
 template <class T, bool kCausal, int kKeys, bool kPipelined>
 __global__ void __launch_bounds__(kThreads, kKeys == 128 ? (kPipelined ? 4 : 5) : 3)
     kernel_tma(Params const p, const __grid_constant__ TmaMaps maps) {
