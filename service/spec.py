@@ -39,6 +39,16 @@ class CompileOptions(BaseModel):
     kernel: Literal["auto", "sm80", "hopper"] = Field(
         default="auto", description="Attention kernel family; auto picks per shape."
     )
+    offload_gemm: bool = Field(
+        default=True,
+        description="Offload float16/bfloat16 matmuls (with bias, activation and residual "
+        "epilogues) to CUTLASS GEMMs (sm_90).",
+    )
+    lift_params: bool = Field(
+        default=True,
+        description="Lift computations on weights alone (transposes, concatenations, casts) "
+        "into main_transform_params, run once at load instead of at every call.",
+    )
     normalize: bool = Field(
         default=True,
         description="Rewrite exporter forms (transposes, decomposed attention) before matching.",
@@ -61,7 +71,7 @@ def cache_key(module_sha256: str, target: Target, options: CompileOptions, toolc
 
 
 #: Bumped whenever generated code or the pipeline changes in a way that alters artifacts.
-CODEGEN_REVISION = 16
+CODEGEN_REVISION = 17
 
 _TOOLCHAIN_PACKAGES = ("stackfuse", "apache-tvm", "apache-tvm-ffi", "nvidia-cutlass")
 

@@ -60,17 +60,44 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "max_position_embeddings": 512,
         },
     ),
+    # real sizes, for the whole-model benchmark (benchmarks/models_gpu.py); vocabularies cut
+    # to 8192 rows (the embedding is a lookup, not a GEMM, in these bodies)
+    "gpt2_small": ("GPT2Model", "GPT2Config", {"vocab_size": 8192, "n_positions": 1024}),
+    "bert_base": (
+        "BertModel",
+        "BertConfig",
+        {"vocab_size": 8192, "max_position_embeddings": 512},
+    ),
+    # a Llama-style decoder: RoPE, GQA 32/8, SwiGLU, RMSNorm
+    "llama": (
+        "LlamaModel",
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 16,
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 5632,
+            "vocab_size": 8192,
+            "max_position_embeddings": 4096,
+        },
+    ),
 }
 
 
-def build(name: str, seed: int = 0) -> Any:
+#: weight scale of the real-size models (their configs' initializer_range); the small ones
+#: keep 0.05, which their tests' tolerances were set with
+INIT_STD: dict[str, float] = {"gpt2_small": 0.02, "bert_base": 0.02, "llama": 0.02}
+
+
+def build(name: str, seed: int = 0, **overrides: Any) -> Any:
     """The model ``name`` in eval mode, returning ``last_hidden_state`` only (a tensor)."""
     import torch
     import transformers
 
     model_cls, config_cls, kwargs = MODELS[name]
-    config = getattr(transformers, config_cls)(**kwargs, use_cache=False)
-    if name == "bert":
+    config = getattr(transformers, config_cls)(**{**kwargs, **overrides}, use_cache=False)
+    if model_cls == "BertModel":
         inner = getattr(transformers, model_cls)(config, add_pooling_layer=False)
     else:
         inner = getattr(transformers, model_cls)(config)
@@ -78,7 +105,7 @@ def build(name: str, seed: int = 0) -> Any:
     with torch.no_grad():
         for pname, p in inner.named_parameters():
             base = 1.0 if pname.endswith("weight") and p.ndim == 1 else 0.0
-            p.copy_(base + 0.05 * torch.randn(p.shape, generator=gen))
+            p.copy_(base + INIT_STD.get(name, 0.05) * torch.randn(p.shape, generator=gen))
 
     class Wrapper(torch.nn.Module):
         def __init__(self, m: Any) -> None:

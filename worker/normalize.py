@@ -24,6 +24,7 @@ as a :class:`~worker.report.Rewrite`:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +167,8 @@ class _Local(relax.PyExprMutator):
             return self.decomposed(call)
         if op == "relax.power":
             return self.integer_power(call)
+        if op == "relax.multiply":
+            return self.tanh_gelu(call)
         if op == "relax.nn.attention_bias":
             call = self.constant_mask(call)
         if _op(call) in ATTENTION_OPS and self.combine:
@@ -301,6 +304,60 @@ class _Local(relax.PyExprMutator):
         if n == 3.0:
             return relax.op.multiply(sq, x)
         return relax.op.multiply(sq, sq)
+
+    # ---- GELU in its tanh form (GPT-2's gelu_new) ------------------------------------------
+    def _times(self, expr: Any, const: float) -> Any:
+        """``x`` when ``expr`` is ``x * c`` or ``c * x`` with c within 0.1% of ``const``."""
+        val = self.value(expr)
+        if _op(val) != "relax.multiply":
+            return None
+        for x, c in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):
+            got = _scalar(self.value(c))
+            if got is not None and math.isclose(got, const, rel_tol=1e-3):
+                return x
+        return None
+
+    def _plus_one(self, expr: Any) -> Any:
+        val = self.value(expr)
+        if _op(val) != "relax.add":
+            return None
+        for x, c in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):
+            if _scalar(self.value(c)) == 1.0:
+                return self.value(x)
+        return None
+
+    def _is_cube(self, expr: Any, x: Any) -> bool:
+        val = self.value(expr)
+        if _op(val) != "relax.multiply":
+            return False
+        for sq, lin in ((val.args[0], val.args[1]), (val.args[1], val.args[0])):
+            sq_val = self.value(sq)
+            if (
+                lin.same_as(x)
+                and _op(sq_val) == "relax.multiply"
+                and sq_val.args[0].same_as(x)
+                and sq_val.args[1].same_as(x)
+            ):
+                return True
+        return False
+
+    def tanh_gelu(self, call: relax.Call) -> Any:
+        """``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` -> ``gelu_tanh(x)``: one
+        operator a GEMM epilogue can fuse (CUTLASS's GELU_taylor is this formula)."""
+        for half, rest in ((call.args[0], call.args[1]), (call.args[1], call.args[0])):
+            x = self._times(half, 0.5)
+            t = self._plus_one(rest)
+            if x is None or t is None or _op(t) != "relax.tanh":
+                continue
+            u = self.value(self._times(t.args[0], math.sqrt(2.0 / math.pi)))
+            if _op(u) != "relax.add":
+                continue
+            for lin, cubic in ((u.args[0], u.args[1]), (u.args[1], u.args[0])):
+                c = self._times(cubic, 0.044715)
+                if lin.same_as(x) and c is not None and self._is_cube(c, x):
+                    self.log.counts["gelu_tanh"] += 1
+                    return relax.op.nn.gelu_tanh(x)
+        return call
 
     # ---- decomposed attention ------------------------------------------------------------
     def strip_scale(self, expr: Any) -> tuple[Any, float]:
@@ -537,6 +594,7 @@ _MESSAGES = {
     "transpose_pairs": "{n} transpose(s) composed, cancelled or moved below a split/slice",
     "empty_concat": "{n} concat(s) with zero-width operands simplified",
     "integer_power": "{n} power(x, 2|3|4) written as multiplies (fast-math powf is NaN for x < 0)",
+    "gelu_tanh": "{n} tanh-form GELU chain(s) written as gelu_tanh (fusable into a GEMM epilogue)",
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from service.spec import CompileOptions
 from worker.toolchain import import_tvm
@@ -42,6 +42,7 @@ from worker.attention import (  # noqa: E402
 from worker.report import CheckFailure, Layout, Match, Where  # noqa: E402
 
 CODEGEN = "cutlass"
+Fused = TypeVar("Fused")
 SITE_PREFIX = "stackfuse.site."
 ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
 
@@ -817,12 +818,12 @@ class Site:
     function_key: str = ""  # the GlobalVar name, uncut: sites are ordered within it
 
 
-def site_of(call: relax.Call) -> str | None:
+def site_of(call: relax.Call, prefix: str = SITE_PREFIX) -> str | None:
     span = call.span
     if span is None:
         return None
     name = span.source_name.name
-    return name[len(SITE_PREFIX) :] if name.startswith(SITE_PREFIX) else None
+    return name[len(prefix) :] if name.startswith(prefix) else None
 
 
 def _is_attention(expr: Any) -> bool:
@@ -833,8 +834,14 @@ def _is_attention(expr: Any) -> bool:
     )
 
 
-def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
-    """Give every attention call a span ``stackfuse.site.<n>``; return the site table."""
+def tag_sites(
+    mod: tvm.IRModule,
+    is_site: Callable[[Any], bool] = _is_attention,
+    prefix: str = SITE_PREFIX,
+    label: str = "attention",
+) -> tuple[tvm.IRModule, dict[str, Site]]:
+    """Give every call ``is_site`` accepts (attention calls by default) a span
+    ``<prefix><n>``; return the site table. Sites are named ``<function>/<label>#<k>``."""
     sites: dict[str, Site] = {}
     counter = [0]
 
@@ -848,7 +855,7 @@ def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             new = super().visit_call_(call)
-            if not _is_attention(new):
+            if not is_site(new):
                 return new
             sid = str(counter[0])
             counter[0] += 1
@@ -857,13 +864,13 @@ def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
                 sid,
                 Where(
                     function=self.fname[:128],
-                    site=f"{self.fname[:128]}/attention#{self.local}",
+                    site=f"{self.fname[:128]}/{label}#{self.local}",
                     binding=binding,
                 ),
                 function_key=self.fname,
             )
             self.local += 1
-            span = ir.Span(ir.SourceName(SITE_PREFIX + sid), 0, 0, 0, 0)
+            span = ir.Span(ir.SourceName(prefix + sid), 0, 0, 0, 0)
             return relax.Call(new.op, new.args, new.attrs, new.ty_args, span)
 
     out = mod
@@ -873,7 +880,7 @@ def tag_sites(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, Site]]:
         names: dict[Any, str] = {}
         for block in func.body.blocks:
             for b in block.bindings:
-                if _is_attention(b.value):
+                if is_site(b.value):
                     names[b.value] = name_of(b.var)
         new = _Tagger(mod, gv.name_hint, names).visit_expr(func)
         out = out if new.same_as(func) else _replace(out, gv, new)
@@ -1090,8 +1097,12 @@ def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -
 
 
 def _sites_of_calls(
-    mod: tvm.IRModule, sites: dict[str, Site], functions: dict[ir.GlobalVar, FusedFunction]
-) -> list[tuple[str, FusedFunction]]:
+    mod: tvm.IRModule,
+    sites: dict[str, Site],
+    functions: dict[ir.GlobalVar, Fused],
+    is_site: Callable[[Any], bool] = _is_attention,
+    prefix: str = SITE_PREFIX,
+) -> list[tuple[str, Fused]]:
     """Which site each call to a fused function stands for.
 
     FuseOpsByPattern merges structurally equal fused functions, so a function's own attention
@@ -1101,20 +1112,18 @@ def _sites_of_calls(
     ordered: dict[str, list[str]] = {}
     for sid in sorted(sites, key=int):
         ordered.setdefault(sites[sid].function_key, []).append(sid)
-    out: list[tuple[str, FusedFunction]] = []
+    out: list[tuple[str, Fused]] = []
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function) or gv in functions:
             continue
         remaining: set[str] = set()
-        calls: list[FusedFunction] = []
+        calls: list[Fused] = []
 
-        def visit(
-            e: Any, remaining: set[str] = remaining, calls: list[FusedFunction] = calls
-        ) -> None:
+        def visit(e: Any, remaining: set[str] = remaining, calls: list[Fused] = calls) -> None:
             if not isinstance(e, relax.Call):
                 return
-            if _is_attention(e) and site_of(e) is not None:
-                remaining.add(site_of(e))  # type: ignore[arg-type]
+            if is_site(e) and site_of(e, prefix) is not None:
+                remaining.add(site_of(e, prefix))  # type: ignore[arg-type]
             elif isinstance(e.op, ir.GlobalVar) and e.op in functions:
                 calls.append(functions[e.op])
 

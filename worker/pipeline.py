@@ -115,7 +115,16 @@ def compile_module(
             from worker.ingest import load_module  # imports TVM (via toolchain) on first use
 
             mod = load_module(payload, fmt, settings)
-        from worker import build, codegen, normalize, partition, validate
+        from worker import (
+            build,
+            codegen,
+            gemm_partition,
+            gemm_sm90,
+            lift,
+            normalize,
+            partition,
+            validate,
+        )
 
         say("normalize")
         with timed("normalize"):
@@ -125,7 +134,9 @@ def compile_module(
         say("partition")
         with timed("partition"):
             result = partition.partition(mod, options, target.arch)
+            gemms = gemm_partition.partition_gemms(result.mod, options, target.arch)
         partitioned = True
+        report.gemms = gemms.entries
         report.matches = result.match_entries()
         report.check_failures = result.failures
         stacked = sum(1 for f in result.fused if f.pattern.kind == "stacked")
@@ -134,6 +145,8 @@ def compile_module(
             fused_stacked=stacked,
             fused_plain=len(result.fused) - stacked,
             not_offloaded=len(result.sites) - len(result.fused),
+            gemm_sites=len(gemms.entries),
+            gemm_offloaded=sum(1 for e in gemms.entries if e.offloaded),
         )
 
         say("codegen")
@@ -146,6 +159,12 @@ def compile_module(
                 )
                 for ff in result.functions
             }
+            chosen.update(
+                {
+                    ff.gvar.name_hint: gemm_sm90.select_kernel(ff.spec, target.arch)
+                    for ff in gemms.functions
+                }
+            )
             unique = {ks.symbol: ks for ks, _ in chosen.values()}
             compiled: dict[str, codegen.CompiledKernel] = {}
             for i, ks in enumerate(unique.values()):
@@ -164,12 +183,35 @@ def compile_module(
                 cache_hit=ck.cache_hit,
             )
 
+        for sid, ff in gemms.fused.items():
+            ks, reason = chosen[ff.gvar.name_hint]
+            ck = compiled[ks.symbol]
+            entry = next(e for e in gemms.entries if e.where == gemms.sites[sid].where)
+            entry.kernel = KernelChoice(
+                family=ks.family,  # type: ignore[arg-type]
+                symbol=ks.symbol,
+                reason=reason,
+                config=ks.config,
+                compile_seconds=round(ck.seconds, 3),
+                cache_hit=ck.cache_hit,
+            )
+        report.summary.gemm_configurations = len(
+            {ks.needs[0].symbol for ks, _ in chosen.values() if ks.family == gemm_sm90.FAMILY}
+        )
+
         say("build")
         library = out_dir / LIBRARY_NAME
         with timed("build"):
             mod = build.share_kernels(
-                result.mod, {name: ks.symbol for name, (ks, _) in chosen.items()}
+                gemms.mod, {name: ks.symbol for name, (ks, _) in chosen.items()}
             )
+            # validation feeds the weights as the client holds them, before any lifting
+            signature = validate.signature(mod["main"])
+            convention = lift.CONVENTION_PLAIN
+            if options.lift_params:
+                mod, lifted, convention = lift.lift_params(mod)
+                if lifted is not None:
+                    report.normalizations.append(lifted)
             build.build_library(
                 mod,
                 {s: c.object_path for s, c in compiled.items()},
@@ -180,7 +222,11 @@ def compile_module(
                 on_stage=lambda s: say(s),
             )
         data = library.read_bytes()
-        report.library = Library(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+        report.library = Library(
+            sha256=hashlib.sha256(data).hexdigest(),
+            size_bytes=len(data),
+            calling_convention=convention,
+        )
 
         say("validate")
         with timed("validate"):
@@ -192,7 +238,7 @@ def compile_module(
                     target,
                     options,
                     settings,
-                    validate.signature(mod["main"]),
+                    signature,
                 )
                 if options.validate_on_gpu != "never"
                 else Validation(

@@ -39,7 +39,7 @@ class Layout(BaseModel):
 
 
 class KernelChoice(BaseModel):
-    family: Literal["cutlass_fmha_sm80", "cutlass_fmha_hopper"]
+    family: Literal["cutlass_fmha_sm80", "cutlass_fmha_hopper", "cutlass_gemm_sm90"]
     symbol: str
     reason: str
     config: dict[str, int | bool | str] = Field(default_factory=dict)
@@ -76,6 +76,41 @@ class CheckFailure(BaseModel):
     message: str
 
 
+class GemmCheckFailure(BaseModel):
+    """One reason a GEMM pattern refused a matmul."""
+
+    pattern: str
+    check: str
+    expected: str
+    actual: str
+    message: str
+
+
+class GemmSite(BaseModel):
+    """One ``R.matmul`` call: the CUTLASS GEMM it became (with what its epilogue fused), or why
+    it stayed in TVM."""
+
+    where: Where
+    offloaded: bool
+    pattern: str = ""
+    epilogue: list[str] = Field(
+        default_factory=list,
+        description="What the kernel's epilogue computes after A @ B: bias, an activation "
+        "(relu, gelu, gelu_tanh, silu), residual.",
+    )
+    dtype: str = ""
+    shapes: dict[str, list[Dim]] = Field(default_factory=dict)
+    b_layout: str = Field(
+        default="",
+        description="k_major: B read as stored [N, K] (a permute_dims folded into the layout); "
+        "n_major: B as stored [K, N].",
+    )
+    bindings: list[str] = Field(default_factory=list, description="Bindings the kernel replaces.")
+    kernel: KernelChoice | None = None
+    reason: str = Field(default="", description="Why the matmul stayed in TVM.")
+    check_failures: list[GemmCheckFailure] = Field(default_factory=list)
+
+
 class Rewrite(BaseModel):
     """A normalization applied before matching (transpose pair cancelled, attention recovered)."""
 
@@ -89,12 +124,22 @@ class Summary(BaseModel):
     fused_stacked: int = 0
     fused_plain: int = 0
     not_offloaded: int = 0
+    gemm_sites: int = 0
+    gemm_offloaded: int = 0
+    gemm_configurations: int = Field(
+        default=0, description="Distinct CUTLASS GEMM configurations the library links."
+    )
 
 
 class Library(BaseModel):
     sha256: str
     size_bytes: int
     file: str = "model.so"
+    calling_convention: str = Field(
+        default="main(*inputs, *params)",
+        description="How to call the library: with weight transforms lifted, "
+        "params = main_transform_params(params) once at load, then main(*inputs, *params).",
+    )
 
 
 class Validation(BaseModel):
@@ -115,6 +160,7 @@ class Report(BaseModel):
     normalizations: list[Rewrite] = Field(default_factory=list)
     matches: list[Match] = Field(default_factory=list)
     check_failures: list[CheckFailure] = Field(default_factory=list)
+    gemms: list[GemmSite] = Field(default_factory=list)
     summary: Summary = Field(default_factory=Summary)
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")
     library: Library | None = None

@@ -30,11 +30,13 @@ def signature(func: Any) -> list[dict[str, Any]]:
     from worker.partition import dim_value, dtype_of, shape_of
 
     out = []
-    for p in func.params:
+    num_input = func.attrs.get("num_input") if func.attrs is not None else None
+    for i, p in enumerate(func.params):
         shape = shape_of(p)
         if shape is None:
             raise ValueError("validation needs tensor parameters with known shapes")
-        out.append({"shape": [dim_value(d) for d in shape], "dtype": dtype_of(p)})
+        weight = num_input is not None and i >= int(num_input)
+        out.append({"shape": [dim_value(d) for d in shape], "dtype": dtype_of(p), "weight": weight})
     return out
 
 
@@ -59,7 +61,12 @@ def maybe_validate(
     with tempfile.TemporaryDirectory(prefix="stackfuse-ref-") as tmp:
         ref_dir = Path(tmp)
         ref_opts = options.model_copy(
-            update={"fuse_stacked": False, "offload_plain": False, "validate_on_gpu": "never"}
+            update={
+                "fuse_stacked": False,
+                "offload_plain": False,
+                "offload_gemm": False,
+                "validate_on_gpu": "never",
+            }
         )
         ref = compile_module(
             payload, target=target, options=ref_opts, out_dir=ref_dir, settings=settings, fmt=fmt
@@ -117,12 +124,21 @@ def _child(fused_path: str, ref_path: str, inputs_path: str, out_path: str) -> N
         data = (rng.standard_normal(shape) * 0.5).astype(p["dtype"])
         args.append(tvm.runtime.tensor(data, dev))
 
+    num_input = sum(1 for p in json.loads(Path(inputs_path).read_text()) if not p.get("weight"))
+
     def run(vm: Any) -> tuple[Any, float]:
-        res = vm["main"](*args)
+        try:
+            transform = vm["main_transform_params"]
+        except Exception:  # no weights lifted: main takes them as given
+            transform = None
+        call = args
+        if transform is not None:
+            call = args[:num_input] + list(transform(args[num_input:]))
+        res = vm["main"](*call)
         dev.sync()
         t0 = time.perf_counter()
         for _ in range(5):
-            res = vm["main"](*args)
+            res = vm["main"](*call)
         dev.sync()
         return res, (time.perf_counter() - t0) / 5
 

@@ -1,0 +1,307 @@
+"""GEMM offload: patterns and their checks, the transposed-weight layout, the report's GEMM
+entries, the glue's numbers, and lifted weight transforms (CPU: the lifted library against the
+unlifted one, both built by TVM for llvm). One nvcc test builds a configuration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.spec import CompileOptions
+from worker import gemm_partition, gemm_selection, gemm_sm90, lift, normalize
+from worker.gemm import weight_spec
+from worker.toolchain import import_tvm
+
+tvm = import_tvm()
+
+from tvm import relax  # noqa: E402
+from tvm.script import relax as R  # noqa: E402
+from tvm.script.ir_builder import IRBuilder  # noqa: E402
+from tvm.script.ir_builder import relax as rb  # noqa: E402
+
+OPTS = CompileOptions()
+
+
+def linear_module(
+    m: int = 128,
+    k: int = 64,
+    n: int = 96,
+    *,
+    dtype: str = "float16",
+    transposed: bool = True,
+    cast: bool = True,
+    bias: str | None = "col",
+    act: str | None = None,
+    residual: bool = False,
+    reshape: bool = False,
+    num_input: int | None = None,
+    leak: bool = False,
+) -> Any:
+    """``x[M, K] @ W (stored [N, K] and permuted, or [K, N]) -> astype -> + bias -> reshape ->
+    act | + residual``, as TVM's importers write a linear layer."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((m, k), dtype))
+        w = R.arg("w", R.Tensor((n, k) if transposed else (k, n), dtype))
+        bshape = {"col": (n,), "full": (m, n)}.get(bias or "")
+        b = R.arg("b", R.Tensor(bshape, dtype)) if bshape else None
+        out_shape = (2, m // 2, n) if reshape else (m, n)
+        r = R.arg("r", R.Tensor(out_shape, dtype)) if residual else None
+        if num_input is not None:
+            R.func_attr({"num_input": num_input})
+        with R.dataflow() as frame:
+            wt = R.emit(R.permute_dims(w, [1, 0])) if transposed else w
+            y = R.emit(R.matmul(x, wt, out_dtype="float32" if cast else dtype))
+            if cast:
+                y = R.emit(R.astype(y, dtype))
+            pre_bias = y
+            if b is not None:
+                y = R.emit(R.add(b, y))
+            if reshape:
+                y = R.emit(R.reshape(y, out_shape))
+            if act is not None:
+                y = R.emit(getattr(R.nn, act)(y))
+            if r is not None:
+                y = R.emit(R.add(y, r))
+            if leak:
+                y = R.emit(R.add(y, R.reshape(pre_bias, out_shape) if reshape else pre_bias))
+            R.output(y)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def _gemms(mod: Any, arch: str = "sm_90", options: CompileOptions = OPTS) -> Any:
+    return gemm_partition.partition_gemms(mod, options, arch)
+
+
+# --------------------------------------------------------------------------------------------
+# patterns and checks
+# --------------------------------------------------------------------------------------------
+def test_pattern_order_tries_longer_epilogues_first() -> None:
+    order = list(gemm_partition.GEMM_PATTERN_ORDER)
+    assert order.index("cutlass.gemm.t_cast_bias_reshape_residual") < order.index(
+        "cutlass.gemm.t_cast_bias"
+    )
+    assert order.index("cutlass.gemm.t_cast_bias_gelu") < order.index("cutlass.gemm.t_cast_bias")
+    assert order.index("cutlass.gemm.t_cast_bias") < order.index("cutlass.gemm.t")
+    assert order[-1] == "cutlass.gemm.n"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern", "epilogue", "layout"),
+    [
+        ({}, "cutlass.gemm.t_cast_bias", ["bias"], "k_major"),
+        ({"transposed": False}, "cutlass.gemm.n_cast_bias", ["bias"], "n_major"),
+        ({"cast": False, "bias": None}, "cutlass.gemm.t", [], "k_major"),
+        ({"act": "gelu"}, "cutlass.gemm.t_cast_bias_gelu", ["bias", "gelu"], "k_major"),
+        (
+            {"act": "gelu_tanh"},
+            "cutlass.gemm.t_cast_bias_gelu_tanh",
+            ["bias", "gelu_tanh"],
+            "k_major",
+        ),
+        ({"act": "relu"}, "cutlass.gemm.t_cast_bias_relu", ["bias", "relu"], "k_major"),
+        ({"act": "silu", "bias": None}, "cutlass.gemm.t_cast_silu", ["silu"], "k_major"),
+        (
+            {"residual": True, "reshape": True},
+            "cutlass.gemm.t_cast_bias_reshape_residual",
+            ["bias", "residual"],
+            "k_major",
+        ),
+        ({"residual": True, "bias": None}, "cutlass.gemm.t_cast_residual", ["residual"], "k_major"),
+    ],
+)
+def test_linear_layers_offload_with_their_epilogue(
+    kwargs: dict[str, Any], pattern: str, epilogue: list[str], layout: str
+) -> None:
+    res = _gemms(linear_module(**kwargs))
+    (entry,) = res.entries
+    assert entry.offloaded, entry.reason
+    assert entry.pattern == pattern
+    assert entry.epilogue == epilogue
+    assert entry.b_layout == layout
+    (ff,) = res.functions
+    spec = ff.spec
+    assert (spec.n, spec.k, spec.m) == (96, 64, 128)
+    assert spec.b_kmajor == (layout == "k_major")
+    # no matmul is left in main: the kernel replaced it (and the permute_dims: no copy)
+    text = res.mod["main"].script()
+    assert "R.matmul(" not in text and "R.permute_dims(" not in text
+
+
+def test_transposed_weight_is_read_in_place_by_its_operand_index() -> None:
+    res = _gemms(linear_module(residual=True, reshape=True))
+    (ff,) = res.functions
+    spec = ff.spec
+    # the fused function's parameters: x, w (as stored, [N, K]), b, r -- in some order
+    shapes = spec.operand_shapes
+    assert shapes[spec.a] == (128, 64)
+    assert shapes[spec.b] == (96, 64)  # [N, K]: the permute_dims is folded into the layout
+    assert shapes[spec.bias] == (96,)
+    assert shapes[spec.residual] == (2, 64, 96)
+    assert spec.out_shape == (2, 64, 96)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "check", "words"),
+    [
+        ({"k": 37}, "alignment", "K = 37 is not a multiple of 8"),
+        ({"n": 90}, "alignment", "N = 90 is not a multiple of 8"),
+        ({"dtype": "float32", "cast": False}, "dtype", "float32 stays in TVM"),
+    ],
+)
+def test_gemms_that_stay_in_tvm_say_why(kwargs: dict[str, Any], check: str, words: str) -> None:
+    res = _gemms(linear_module(**kwargs))
+    (entry,) = res.entries
+    assert not entry.offloaded
+    assert words in entry.reason
+    assert check in {f.check for f in entry.check_failures}
+    assert "R.matmul(" in res.mod["main"].script()
+
+
+def test_a_full_size_added_term_is_not_a_bias_but_a_residual() -> None:
+    res = _gemms(linear_module(bias="full"))
+    (entry,) = res.entries
+    assert entry.offloaded
+    assert entry.epilogue == ["residual"]
+
+
+def test_an_intermediate_read_elsewhere_stays_out_of_the_epilogue() -> None:
+    res = _gemms(linear_module(leak=True))
+    (entry,) = res.entries
+    assert entry.offloaded
+    # the bias add could not absorb the matmul's result (read by the leak), so only the
+    # matmul and its cast fused
+    assert entry.epilogue == []
+    assert "R.add(" in res.mod["main"].script()
+
+
+@pytest.mark.parametrize(
+    ("arch", "options", "words"),
+    [
+        ("sm_80", OPTS, "sm_90 (Hopper) only"),
+        ("sm_90", CompileOptions(offload_gemm=False), "offload_gemm is false"),
+    ],
+)
+def test_gemm_offload_off_or_elsewhere_is_reported(
+    arch: str, options: CompileOptions, words: str
+) -> None:
+    res = _gemms(linear_module(), arch, options)
+    (entry,) = res.entries
+    assert not entry.offloaded and words in entry.reason
+    assert not res.functions
+
+
+def test_tanh_gelu_chain_becomes_one_operator() -> None:
+    m = 64
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((m, 32), "float16"))
+        with R.dataflow() as frame:
+            cube = R.emit(R.multiply(R.multiply(x, x), x))
+            inner = R.emit(R.add(x, R.multiply(cube, R.const(0.044715, "float16"))))
+            t = R.emit(R.tanh(R.multiply(inner, R.const(0.7978845608, "float16"))))
+            out = R.emit(
+                R.multiply(
+                    R.multiply(x, R.const(0.5, "float16")), R.add(t, R.const(1.0, "float16"))
+                )
+            )
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    new, rewrites = normalize.normalize(mod, OPTS)
+    assert "gelu_tanh" in {r.rewrite for r in rewrites}
+    assert "R.nn.gelu_tanh" in new["main"].script()
+    assert "R.tanh" not in new["main"].script()
+    x_np = np.random.default_rng(0).standard_normal((m, 32)).astype("float16")
+    dev = tvm.cpu()
+
+    def run(mod: Any) -> np.ndarray:
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), dev)
+        return vm["main"](tvm.runtime.tensor(x_np, dev)).numpy().astype("float32")
+
+    np.testing.assert_allclose(run(new), run(mod), atol=2e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# glue and selection
+# --------------------------------------------------------------------------------------------
+def test_glue_carries_the_sites_numbers_and_names_its_configuration() -> None:
+    spec = weight_spec(dtype="bfloat16", m="?", n=3072, k=768, b_kmajor=False, bias=True)
+    tile, _ = gemm_sm90.select(spec)
+    ks = gemm_sm90.render(spec, tile)
+    (cfg,) = ks.needs
+    assert cfg.symbol in ks.source and cfg.symbol.startswith("stackfuse_gcfg_")
+    assert "/*n=*/3072, /*k=*/768" in ks.source
+    assert "/*dtype_code=*/4" in ks.source  # kDLBfloat
+    assert "cutlass::bfloat16_t, false," in cfg.source  # B [K, N]
+    # the problem size is not part of the configuration: every M shares it
+    other = weight_spec(dtype="bfloat16", m=8192, n=768, k=3072, b_kmajor=False, bias=True)
+    other_tile, _ = gemm_sm90.select(other)
+    if other_tile == tile:
+        assert gemm_sm90.render(other, other_tile).needs[0].source == cfg.source
+
+
+def test_every_shape_class_has_a_tile_that_exists() -> None:
+    for name, _why in gemm_selection.SELECTION.values():
+        assert name in gemm_sm90.TILES
+
+
+# --------------------------------------------------------------------------------------------
+# lifted weight transforms
+# --------------------------------------------------------------------------------------------
+def test_weight_transforms_run_once_and_outputs_match(tmp_path: Any) -> None:
+    # a combined-QKV-like weight: concat of transposed weights, computed from weights alone
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((16, 32), "float32"))
+        wq = R.arg("wq", R.Tensor((24, 32), "float32"))
+        wk = R.arg("wk", R.Tensor((24, 32), "float32"))
+        R.func_attr({"num_input": 1})
+        with R.dataflow() as frame:
+            w = R.emit(R.concat([R.permute_dims(wq, [1, 0]), R.permute_dims(wk, [1, 0])], axis=1))
+            out = R.emit(R.matmul(x, w))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    lifted, rewrite, convention = lift.lift_params(mod)
+    assert rewrite is not None and "main_transform_params" in convention
+    assert "concat" not in lifted["main"].script()
+    assert "concat" in lifted[lift.TRANSFORM].script()
+    rng = np.random.default_rng(1)
+    x_np, wq_np, wk_np = (
+        rng.standard_normal(s).astype("float32") for s in ((16, 32), (24, 32), (24, 32))
+    )
+    dev = tvm.cpu()
+    ref = relax.VirtualMachine(tvm.compile(mod, target="llvm"), dev)
+    want = ref["main"](*(tvm.runtime.tensor(a, dev) for a in (x_np, wq_np, wk_np))).numpy()
+    vm = relax.VirtualMachine(tvm.compile(lifted, target="llvm"), dev)
+    params = list(vm[lift.TRANSFORM]([tvm.runtime.tensor(a, dev) for a in (wq_np, wk_np)]))
+    got = vm["main"](tvm.runtime.tensor(x_np, dev), *params).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, x_np @ np.concatenate([wq_np.T, wk_np.T], axis=1), rtol=1e-4)
+
+
+def test_modules_without_weights_keep_their_calling_convention() -> None:
+    mod = linear_module()
+    same, rewrite, convention = lift.lift_params(mod)
+    assert same is mod and rewrite is None and convention == lift.CONVENTION_PLAIN
+
+
+# --------------------------------------------------------------------------------------------
+# nvcc
+# --------------------------------------------------------------------------------------------
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_one_gemm_configuration_and_its_glue_compile() -> None:
+    from worker.codegen import compile_object
+
+    spec = weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True)
+    ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
+    assert "CUTLASS 3 Hopper GEMM" in reason and "bias" in reason
+    ck = compile_object(ks)
+    assert ck.object_path.stat().st_size > 0
+    (cfg_obj,) = ck.needs
+    assert cfg_obj.stat().st_size > 100_000  # the CUTLASS kernel's machine code is in there

@@ -1,0 +1,127 @@
+"""The GEMM workload a kernel must implement, and where its operands live.
+
+``gemm_partition`` produces a :class:`GemmSpec` from a matched matmul site; ``gemm_sm90`` renders
+a kernel from it; the report shows it. Numbers and enum tokens only: nothing the client named
+reaches generated source through it. No TVM import.
+
+The computation is ``out = act(A @ B + bias) `` or ``out = A @ B + bias + residual``, with A
+``[..., M, K]`` (leading dims folded into M when B is a 2-D weight), B ``[K, N]`` as stored or
+``[N, K]`` read transposed (a ``permute_dims`` folded into the layout, never copied), bias
+``[N]`` and the residual shaped like the output. Accumulation is float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+GemmDType = Literal["float16", "bfloat16"]
+Activation = Literal["none", "relu", "gelu", "gelu_tanh", "silu"]
+
+ACTIVATIONS: tuple[Activation, ...] = ("none", "relu", "gelu", "gelu_tanh", "silu")
+#: the Relax operator of each activation the GEMM patterns fuse
+ACTIVATION_OPS: dict[str, str] = {
+    "relu": "relax.nn.relu",
+    "gelu": "relax.nn.gelu",
+    "gelu_tanh": "relax.nn.gelu_tanh",
+    "silu": "relax.nn.silu",
+}
+#: TMA moves 16-byte rows: K and N must be multiples of this many 16-bit elements
+ALIGN_ELEMS = 8
+
+DYNAMIC = "?"
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM site. ``m`` is ``"?"`` when read at run time (a symbolic batch or sequence);
+    ``batch`` is the L of a batched matmul (both operands batched), 1 otherwise.
+
+    ``a``, ``b``, ``bias`` and ``residual`` index the kernel's arguments (-1: absent);
+    ``operand_shapes`` has one entry per argument before the output: a tensor's shape, or None
+    for a non-tensor argument TVM passes along (a symbolic reshape target).
+    """
+
+    dtype: GemmDType
+    m: int | str
+    n: int
+    k: int
+    b_kmajor: bool
+    activation: Activation
+    a: int
+    b: int
+    bias: int = -1
+    residual: int = -1
+    batch: int | str = 1
+    batched: bool = False
+    num_operands: int = 2
+    operand_shapes: tuple[tuple[int | str, ...] | None, ...] = field(default_factory=tuple)
+    out_shape: tuple[int | str, ...] = ()
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias >= 0
+
+    @property
+    def has_residual(self) -> bool:
+        return self.residual >= 0
+
+    def epilogue(self) -> list[str]:
+        """What the epilogue fuses, in order: e.g. ``["bias", "gelu_tanh"]``."""
+        out = []
+        if self.has_bias:
+            out.append("bias")
+        if self.activation != "none":
+            out.append(self.activation)
+        if self.has_residual:
+            out.append("residual")
+        return out
+
+    def flops(self, m: int | None = None) -> int:
+        rows = m if m is not None else (self.m if isinstance(self.m, int) else 0)
+        batch = self.batch if isinstance(self.batch, int) else 1
+        return 2 * batch * rows * self.n * self.k
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def weight_spec(
+    *,
+    dtype: GemmDType,
+    m: int | str,
+    n: int,
+    k: int,
+    b_kmajor: bool,
+    activation: Activation = "none",
+    bias: bool = False,
+    residual: bool = False,
+) -> GemmSpec:
+    """A ``[M, K] x weight`` spec with operands in order (a, b, bias?, residual?): for
+    benchmarks and tests that drive a kernel without a module."""
+    shapes: list[tuple[int | str, ...]] = [(m, k), (n, k) if b_kmajor else (k, n)]
+    idx_bias = idx_res = -1
+    if bias:
+        idx_bias = len(shapes)
+        shapes.append((n,))
+    if residual:
+        idx_res = len(shapes)
+        shapes.append((m, n))
+    return GemmSpec(
+        dtype=dtype,
+        m=m,
+        n=n,
+        k=k,
+        b_kmajor=b_kmajor,
+        activation=activation,
+        a=0,
+        b=1,
+        bias=idx_bias,
+        residual=idx_res,
+        num_operands=len(shapes),
+        operand_shapes=tuple(shapes),
+        out_shape=(m, n),
+    )
