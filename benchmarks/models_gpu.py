@@ -27,15 +27,49 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: (case, model, route, dtype)
-CASES: list[tuple[str, str, str, str]] = [
-    ("gpt2_fp16", "gpt2", "torch", "float16"),
-    ("bert_fp16", "bert", "torch", "float16"),
-    ("neox_fp16", "neox", "torch", "float16"),
-    ("gpt2_onnx_fp32", "gpt2", "onnx", "float32"),
+#: (case, model, route, dtype, batch, seq): 2-layer models, then whole models at real sizes
+CASES: list[tuple[str, str, str, str, int, int]] = [
+    ("gpt2_fp16", "gpt2", "torch", "float16", 4, 256),
+    ("bert_fp16", "bert", "torch", "float16", 4, 256),
+    ("neox_fp16", "neox", "torch", "float16", 4, 256),
+    ("gpt2_onnx_fp32", "gpt2", "onnx", "float32", 4, 256),
+    ("gpt2_small_b8_s1024", "gpt2_small", "torch", "float16", 8, 1024),
+    ("bert_base_b32_s128", "bert_base", "torch", "float16", 32, 128),
+    ("llama_b1_s2048", "llama", "torch", "float16", 1, 2048),
 ]
-BATCH, SEQ = 4, 256
 WARMUP, ITERS = 10, 50
+PROFILED_CALLS = 5
+
+#: kernel-name pieces that classify GPU time (first match wins; lower-case)
+_GEMM_NAMES = ("gemm", "nvjet", "xmma", "cublas", "matmul", "_mm_", "tem_fused")
+_ATTENTION_NAMES = ("fmha", "flash", "attention", "sdpa", "hopper", "cudnn")
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in _ATTENTION_NAMES):
+        return "attention"
+    if any(k in low for k in _GEMM_NAMES):
+        return "gemm"
+    return "other"
+
+
+def gpu_breakdown(fn: Any, torch: Any) -> dict[str, float]:
+    """GPU microseconds per call by kernel class (torch.profiler over PROFILED_CALLS calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_CALLS):
+            fn()
+        torch.cuda.synchronize()
+    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            out[kernel_class(ev.name)] += ev.device_time / PROFILED_CALLS
+    out["total"] = sum(out.values())
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def state_digest(model: Any) -> str:
@@ -60,7 +94,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
     from worker.pipeline import compile_module
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for case, name, route, dtype in CASES:
+    for case, name, route, dtype, batch, seq in CASES:
         if names and case not in names:
             continue
         t0 = time.monotonic()
@@ -68,7 +102,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         model = build_model(name)
         digest = state_digest(model)
-        ids = example_ids(name, BATCH, SEQ)
+        ids = example_ids(name, batch, seq)
         tmp = Path("/tmp/stackfuse-models") / case
         tmp.mkdir(parents=True, exist_ok=True)
         if route == "onnx":
@@ -105,13 +139,19 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
             "model": name,
             "route": route,
             "dtype": dtype,
-            "batch": BATCH,
-            "seq": SEQ,
+            "batch": batch,
+            "seq": seq,
             "state_sha256": digest,
             "manifest": manifest,
             "sites": s.attention_sites,
             "fused_stacked": s.fused_stacked,
             "fused_plain": s.fused_plain,
+            "gemm_sites": s.gemm_sites,
+            "gemm_offloaded": s.gemm_offloaded,
+            "gemm_configurations": s.gemm_configurations,
+            "calling_convention": res.report.library.calling_convention
+            if res.report.library
+            else "",
             "rewrites": sorted({r.rewrite for r in res.report.normalizations}),
             "variants": [m.variant for m in res.report.matches],
             "build_seconds": round(time.monotonic() - t0, 1),
@@ -162,6 +202,9 @@ def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
     doc = json.loads((case_dir / "case.json").read_text())
     row: dict[str, Any] = {k: doc[k] for k in ("case", "model", "route", "dtype", "batch", "seq")}
     row.update(sites=doc["sites"], fused_stacked=doc["fused_stacked"], variants=doc["variants"])
+    row.update(
+        {k: doc[k] for k in ("gemm_sites", "gemm_offloaded", "gemm_configurations") if k in doc}
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model = build_model(doc["model"])
@@ -183,7 +226,14 @@ def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
         run_model = build_model(doc["model"]).to(dt).cuda().eval()
         eager_out = run_model(ids)
     vm = VirtualMachine(tvm.runtime.load_module(str(case_dir / "model.so")), tvm.cuda(0))
-    args = [tvm.runtime.from_dlpack(t) for t in [ids, *params]]
+    weights = [tvm.runtime.from_dlpack(t) for t in params]
+    if "main_transform_params" in doc.get("calling_convention", ""):
+        t0 = time.monotonic()
+        with tvm_ffi.use_torch_stream():
+            weights = list(vm["main_transform_params"](weights))
+        torch.cuda.synchronize()
+        row["transform_params_ms"] = round((time.monotonic() - t0) * 1000, 2)
+    args = [tvm.runtime.from_dlpack(ids), *weights]
     main = vm["main"]
 
     def ours() -> Any:
@@ -200,30 +250,55 @@ def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
     tol = 1e-3 if doc["dtype"] == "float32" else max(2 * row["eager_rel_error"], 5e-3)
     row["tolerance"] = tol
     row["passed"] = row["finite"] and row["rel_error"] <= tol
+    breakdown = row["gpu_us_by_class"] = {}
     with torch.no_grad():
         row["eager_us"] = _time_cuda(lambda: run_model(ids), torch)
         row["stackfuse_us"] = _time_cuda(ours, torch)
-        if time.monotonic() < deadline:
+        if doc["batch"] * doc["seq"] >= 2048:  # whole models at real sizes
+            breakdown["stackfuse"] = gpu_breakdown(ours, torch)
+            breakdown["eager"] = gpu_breakdown(lambda: run_model(ids), torch)
+        for way, mode in COMPILE_MODES:
+            if time.monotonic() >= deadline:
+                row[f"{way}_error"] = "skipped: time budget"
+                continue
             try:
                 t0 = time.monotonic()
-                compiled = torch.compile(run_model)
+                compiled = torch.compile(run_model, mode=mode)
                 compiled(ids)
                 torch.cuda.synchronize()
-                row["torch_compile_seconds"] = round(time.monotonic() - t0, 1)
-                row["torch_compile_us"] = _time_cuda(lambda: compiled(ids), torch)
+                row[f"{way}_seconds"] = round(time.monotonic() - t0, 1)
+                row[f"{way}_us"] = _time_cuda(lambda compiled=compiled: compiled(ids), torch)
+                if doc["batch"] * doc["seq"] >= 2048:
+                    breakdown[way] = gpu_breakdown(lambda compiled=compiled: compiled(ids), torch)
             except Exception as exc:  # recorded, not fatal: the device may lack a compiler
-                row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        else:
-            row["torch_compile_error"] = "skipped: time budget"
+                row[f"{way}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            torch._dynamo.reset()
+    for way in ("eager", "torch_compile", "torch_compile_max_autotune"):
+        if row.get(f"{way}_us"):
+            row[f"speedup_vs_{way}"] = round(row[f"{way}_us"] / row["stackfuse_us"], 3)
     return row
 
 
-def check(root: Path, out: Path, budget_s: float = 200.0) -> int:
+#: (result key, torch.compile mode); STACKFUSE_COMPILE_MODES=default limits it to the first
+COMPILE_MODES: list[tuple[str, str | None]] = [
+    ("torch_compile", None),
+    ("torch_compile_max_autotune", "max-autotune-no-cudagraphs"),
+]
+
+
+def check(root: Path, out: Path, budget_s: float = 200.0, cases: list[str] | None = None) -> int:
+    import os
+
     import torch
 
+    if os.environ.get("STACKFUSE_COMPILE_MODES") == "default":
+        del COMPILE_MODES[1:]
+    budget_s = float(os.environ.get("STACKFUSE_MODELS_BUDGET_S", budget_s))
     deadline = time.monotonic() + budget_s
     rows = []
     for case_dir in sorted(p for p in root.iterdir() if (p / "case.json").exists()):
+        if cases and case_dir.name not in cases:
+            continue
         try:
             row = check_one(case_dir, deadline)
         except Exception as exc:  # every case reported, crashes included
@@ -284,7 +359,7 @@ def main(argv: list[str]) -> int:
         build(Path(argv[1]), argv[2:] or None)
         return 0
     if cmd == "check":
-        return check(Path(argv[1]), Path(argv[2]))
+        return check(Path(argv[1]), Path(argv[2]), cases=argv[3:] or None)
     if cmd == "markdown":
         doc = json.loads(Path(argv[1]).read_text())
         Path(argv[2]).write_text(to_markdown(doc))

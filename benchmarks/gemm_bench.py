@@ -1,0 +1,500 @@
+"""Our CUTLASS GEMM configurations against cuBLAS (torch.matmul / F.linear / addmm) on the same
+tensors, at every GEMM shape of the whole-model benchmark's models and a grid of shapes no
+configuration was picked on.
+
+Two halves, like :mod:`benchmarks.models_gpu`:
+
+    python -m benchmarks.gemm_bench build .gpu/gemm [--acts none gelu_tanh ...]   # here: nvcc
+    python -m benchmarks.gemm_bench run .gpu/gemm OUT_DIR                          # there: GPU
+
+``build`` compiles each configuration (the objects the pipeline ships, from the same kernel
+cache) and links them with a small C entry per configuration into ``libgemm_bench.so``; ``run``
+calls them through ctypes on torch's stream. Each way is timed in its own steady state: per
+round it runs ~100 ms untimed, then ``CALLS`` back-to-back calls between two CUDA events; the
+figure is the median over rounds. Ratios are ours / cuBLAS's time inverted (> 1: we are faster).
+
+Epilogue peers get their best path: bias through cuBLASLt's bias epilogue (``F.linear`` /
+``addmm``), GELU through ``torch._addmm_activation`` (cuBLASLt's GELU epilogue) where it
+applies, residual as ``addmm`` + ``add``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: (name, M, N, K): the models of benchmarks/whole_model.py, then an untuned grid
+MODEL_SHAPES: list[tuple[str, int, int, int]] = [
+    ("gpt2_qkv", 8192, 2304, 768),
+    ("gpt2_proj", 8192, 768, 768),
+    ("gpt2_fc", 8192, 3072, 768),
+    ("gpt2_fc2", 8192, 768, 3072),
+    ("bert_qkv", 4096, 2304, 768),
+    ("bert_proj", 4096, 768, 768),
+    ("bert_fc", 4096, 3072, 768),
+    ("bert_fc2", 4096, 768, 3072),
+    ("llama_qkv", 2048, 3072, 2048),
+    ("llama_o", 2048, 2048, 2048),
+    ("llama_up", 2048, 5632, 2048),
+    ("llama_down", 2048, 2048, 5632),
+]
+GRID_SHAPES: list[tuple[str, int, int, int]] = [
+    (f"grid_m{m}_n{n}_k{k}", m, n, k)
+    for m in (512, 16384)
+    for n, k in ((1024, 4096), (4096, 1024), (8192, 8192))
+]
+CALLS = 20
+PREROLL_S = 0.1
+
+
+# --------------------------------------------------------------------------------------------
+# build (here)
+# --------------------------------------------------------------------------------------------
+def build(
+    out_dir: Path,
+    acts: list[str],
+    dtypes: list[str],
+    tiles: list[str] | None,
+    source_c: list[bool],
+    emit: bool = False,
+) -> None:
+    """Compile every (dtype, B layout, activation, with/without C, tile) configuration and link
+    ``libgemm_bench.so``; with ``emit``, write the sources and ``build.sh`` instead, to compile
+    on a machine with more cores (``bash DIR/build.sh`` there, CUTLASS under ``.gpu/cutlass``)."""
+    import shlex
+    import subprocess
+
+    from service.settings import get_settings
+    from worker import gemm_sm90
+    from worker.codegen import KernelSource, compile_object, nvcc_argv
+    from worker.gemm import weight_spec
+    from worker.toolchain import find_toolchain
+
+    settings = get_settings()
+    chain = find_toolchain(settings)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ways = []
+    units: dict[str, KernelSource] = {}
+    for dtype in dtypes:
+        for kmajor in (True, False):
+            for act in acts:
+                for has_c in source_c:
+                    for name in tiles or list(gemm_sm90.TILES):
+                        spec = weight_spec(
+                            dtype=dtype,  # type: ignore[arg-type]
+                            m=4096,
+                            n=1024,
+                            k=1024,
+                            b_kmajor=kmajor,
+                            activation=act,  # type: ignore[arg-type]
+                            residual=has_c,
+                        )
+                        tile = gemm_sm90.TILES[name]
+                        ks = gemm_sm90.render_config(spec, tile)
+                        units.setdefault(ks.symbol, ks)
+                        ways.append(
+                            {
+                                "symbol": ks.symbol,
+                                "tile": name,
+                                "dtype": dtype,
+                                "b_kmajor": kmajor,
+                                "activation": act,
+                                "source_c": has_c,
+                                "swizzle": tile.swizzle,
+                            }
+                        )
+    decls = "\n".join(f"Status {sym}(Problem const&, cudaStream_t, cudaError_t*);" for sym in units)
+    entries = "\n".join(
+        f"""extern "C" __attribute__((visibility("default"))) int bench_{sym}(
+    const void* a, const void* b, const void* c, const void* bias, void* d, int m, int n, int k,
+    float beta, int swizzle, void* stream) {{
+  return call(&{sym}, a, b, c, bias, d, m, n, k, beta, swizzle, stream);
+}}"""
+        for sym in units
+    )
+    source = f"""// Generated by benchmarks/gemm_bench.py: a C entry per GEMM configuration.
+#include "gemm_api.h"
+namespace stackfuse {{ namespace gemm {{
+{decls}
+}} }}
+using namespace stackfuse::gemm;
+static void* alloc(size_t bytes, int, void* stream) {{
+  void* p = nullptr;
+  return cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)) == cudaSuccess ? p : nullptr;
+}}
+static void release(void* p, int, void* stream) {{
+  cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
+}}
+static int call(LaunchFn fn, const void* a, const void* b, const void* c, const void* bias, void* d,
+                int m, int n, int k, float beta, int swizzle, void* stream) {{
+  Problem p{{}};
+  p.a = a; p.b = b; p.c = c; p.bias = bias; p.d = d; p.m = m; p.n = n; p.k = k; p.l = 1;
+  p.batch_stride_b = 0; p.beta = beta; p.swizzle = swizzle; cudaGetDevice(&p.device_id);
+  p.alloc = &alloc; p.free = &release; p.alloc_ctx = stream;
+  cudaError_t e = cudaSuccess;
+  return static_cast<int>(fn(p, static_cast<cudaStream_t>(stream), &e));
+}}
+{entries}
+"""
+    entry_ks = KernelSource(
+        symbol="gemm_bench_entries",
+        source=source,
+        family="bench",
+        flags=(gemm_sm90.GENCODE, f"-I{gemm_sm90.KERNELS_DIR}"),
+    )
+    (out_dir / "manifest.json").write_text(json.dumps({"configs": ways}, indent=2))
+    lib = out_dir / "libgemm_bench.so"
+    if emit:
+        src_dir = out_dir / "src"
+        src_dir.mkdir(exist_ok=True)
+        here = {
+            str(chain.cutlass_source): ".gpu/cutlass",
+            str(gemm_sm90.KERNELS_DIR): "worker/kernels",
+            str(chain.cuda_home): "/usr/local/cuda",
+        }
+        lines = [
+            "#!/usr/bin/env bash",
+            "# Generated by benchmarks/gemm_bench.py build --emit",
+            "set -euo pipefail",
+            'cd "$(dirname "$0")/../.."',
+            "compile() {",
+        ]
+        cmds = []
+        for ks in [*units.values(), entry_ks]:
+            (src_dir / f"{ks.symbol}.cu").write_text(ks.source)
+            argv = nvcc_argv(ks, chain, src_dir / f"{ks.symbol}.cu", src_dir / f"{ks.symbol}.o")
+            argv[0] = "nvcc"
+            fixed = []
+            for a in argv:
+                for old, new in here.items():
+                    a = a.replace(old, new)
+                fixed.append(a.replace(str(Path.cwd()) + "/", ""))
+            cmds.append(" ".join(shlex.quote(a) for a in fixed))
+        lines += ["  case $1 in"]
+        lines += [f"    {i}) {c} ;;" for i, c in enumerate(cmds)]
+        lines += [
+            "  esac",
+            "}",
+            "export -f compile",
+            f"seq 0 {len(cmds) - 1} | xargs -P \"$(nproc)\" -I{{}} bash -c 'compile {{}}'",
+            f"g++ -shared -fPIC -o {lib} {src_dir}/*.o -L/usr/local/cuda/lib64 -lcudart",
+        ]
+        (out_dir / "build.sh").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out_dir}/build.sh: {len(cmds)} units ({len(units)} configurations)")
+        return
+    objects = []
+    for ks in units.values():
+        t0 = time.monotonic()
+        ck = compile_object(ks, settings=settings, chain=chain)
+        print(
+            f"{ks.config['type']}: "
+            + ("cached" if ck.cache_hit else f"{time.monotonic() - t0:.0f} s"),
+            flush=True,
+        )
+        objects.append(ck.object_path)
+    entry = compile_object(entry_ks, settings=settings, chain=chain).object_path
+    subprocess.run(
+        [
+            "g++",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(lib),
+            str(entry),
+            *map(str, objects),
+            f"-L{chain.cudart_static.parent}",
+            "-l:libcudart.so.13",
+        ],
+        check=True,
+    )
+    print(f"wrote {lib} ({lib.stat().st_size / 1e6:.1f} MB, {len(units)} configurations)")
+
+
+# --------------------------------------------------------------------------------------------
+# run (GPU)
+# --------------------------------------------------------------------------------------------
+def _steady(fn: Any, torch: Any, rounds: int) -> float:
+    """Median seconds per call over ``rounds``, each after ~PREROLL_S of untimed calls."""
+    times = []
+    for _ in range(rounds):
+        t_end = time.perf_counter() + PREROLL_S
+        while time.perf_counter() < t_end:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(CALLS):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000.0 / CALLS)
+    return statistics.median(times)
+
+
+def _peer(epi: str, kmajor: bool, a: Any, w: Any, bias: Any, res: Any) -> Any:
+    """cuBLAS's best path for one epilogue: cuBLASLt's bias and GELU(tanh) epilogues where they
+    apply (``F.linear`` / ``addmm`` / ``_addmm_activation``), else a separate elementwise op."""
+    import torch
+    import torch.nn.functional as F
+
+    wt = w.t() if kmajor else w  # [K, N] either way; a view for K-major weights
+
+    def linear() -> Any:
+        return F.linear(a, w, bias) if kmajor else torch.addmm(bias, a, w)
+
+    if epi == "bias_gelu_tanh":
+        return lambda: torch._addmm_activation(bias, a, wt, use_gelu=True)
+    if epi == "bias_gelu":
+        return lambda: F.gelu(linear())
+    if epi == "bias_residual":
+        return lambda: linear().add_(res)
+    if epi == "bias":
+        return linear
+    return lambda: torch.matmul(a, wt)
+
+
+def run(build_dir: Path, out_dir: Path, rounds: int, epilogues: list[str]) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = ctypes.CDLL(str(build_dir / "libgemm_bench.so"))
+    configs = json.loads((build_dir / "manifest.json").read_text())["configs"]
+    stream = torch.cuda.current_stream().cuda_stream
+    rows: list[dict[str, Any]] = []
+    torch.manual_seed(0)
+    for name, m, n, k in MODEL_SHAPES + GRID_SHAPES:
+        for dtype_name in sorted({c["dtype"] for c in configs}):
+            dt = getattr(torch, dtype_name)
+            a = (torch.randn(m, k, device="cuda") * 0.5).to(dt)
+            w_nk = (torch.randn(n, k, device="cuda") / k**0.5).to(dt)
+            w_kn = w_nk.t().contiguous()
+            bias = (torch.randn(n, device="cuda") * 0.1).to(dt)
+            res = torch.randn(m, n, device="cuda").to(dt)
+            d = torch.empty(m, n, device="cuda", dtype=dt)
+            ref_mm = a.float() @ w_nk.float().t()
+            for epi in epilogues:
+                act = {"bias_gelu_tanh": "gelu_tanh", "bias_gelu": "gelu"}.get(epi, "none")
+                use_bias = epi.startswith("bias")
+                use_res = epi.endswith("residual")
+                ref = ref_mm + (bias.float() if use_bias else 0)
+                if act == "gelu_tanh":
+                    ref = F.gelu(ref, approximate="tanh")
+                elif act == "gelu":
+                    ref = F.gelu(ref)
+                if use_res:
+                    ref = ref + res.float()
+                for kmajor in (True, False):
+                    w = w_nk if kmajor else w_kn
+                    layout = "k_major" if kmajor else "n_major"
+
+                    peer = _peer(epi, kmajor, a, w, bias, res)
+                    t_peer = _steady(peer, torch, rounds)
+                    peer_err = float((peer().float() - ref).abs().max())
+                    row: dict[str, Any] = {
+                        "shape": name,
+                        "m": m,
+                        "n": n,
+                        "k": k,
+                        "dtype": dtype_name,
+                        "b_layout": layout,
+                        "epilogue": epi,
+                        "cublas_s": t_peer,
+                        "cublas_max_abs_error": peer_err,
+                        "ours": {},
+                    }
+                    for c in configs:
+                        if (
+                            c["dtype"] != dtype_name
+                            or c["b_kmajor"] != kmajor
+                            or c["activation"] != act
+                            or c["source_c"] != use_res
+                        ):
+                            continue
+                        fn = getattr(lib, f"bench_{c['symbol']}")
+                        args = (
+                            ctypes.c_void_p(a.data_ptr()),
+                            ctypes.c_void_p(w.data_ptr()),
+                            ctypes.c_void_p(res.data_ptr() if use_res else 0),
+                            ctypes.c_void_p(bias.data_ptr() if use_bias else 0),
+                            ctypes.c_void_p(d.data_ptr()),
+                            m,
+                            n,
+                            k,
+                            ctypes.c_float(1.0 if use_res else 0.0),
+                            c["swizzle"],
+                            ctypes.c_void_p(stream),
+                        )
+                        status = fn(*args)
+                        torch.cuda.synchronize()
+                        if status != 0:
+                            row["ours"][c["tile"]] = {"status": status}
+                            continue
+                        err = float((d.float() - ref).abs().max())
+                        t = _steady(lambda fn=fn, args=args: fn(*args), torch, rounds)
+                        row["ours"][c["tile"]] = {
+                            "s": t,
+                            "max_abs_error": err,
+                            "vs_cublas": t_peer / t,
+                            "tflops": 2 * m * n * k / t / 1e12,
+                        }
+                    timed = {t: v for t, v in row["ours"].items() if "s" in v}
+                    if timed:
+                        best = min(timed, key=lambda t: timed[t]["s"])
+                        row["best_tile"] = best
+                        row["best_vs_cublas"] = timed[best]["vs_cublas"]
+                    row["cublas_tflops"] = 2 * m * n * k / t_peer / 1e12
+                    rows.append(row)
+                    print(
+                        json.dumps(
+                            {
+                                k2: row[k2]
+                                for k2 in (
+                                    "shape",
+                                    "dtype",
+                                    "b_layout",
+                                    "epilogue",
+                                    "best_tile",
+                                    "best_vs_cublas",
+                                )
+                                if k2 in row
+                            }
+                        ),
+                        flush=True,
+                    )
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rounds": rounds,
+        "calls_per_round": CALLS,
+        "rows": rows,
+    }
+    (out_dir / "gemm_bench.json").write_text(json.dumps(doc, indent=1))
+    (out_dir / "gemm_bench.md").write_text(to_markdown(doc))
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    tiles = sorted({t for r in doc["rows"] for t in r["ours"]})
+    head = [
+        "shape",
+        "M",
+        "N",
+        "K",
+        "dtype",
+        "B",
+        "epilogue",
+        "cuBLAS TFLOP/s",
+        *tiles,
+        "best / cuBLAS",
+    ]
+    lines = [
+        "# CUTLASS GEMM configurations vs cuBLAS",
+        "",
+        f"{doc['device']}, torch {doc['torch']}, {doc['date']}; median of {doc['rounds']} rounds "
+        f"of {doc['calls_per_round']} calls, each way in its own steady state. Tile columns: "
+        "TFLOP/s of each configuration. Command: `python -m benchmarks.gemm_bench run DIR OUT`.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for r in doc["rows"]:
+        cells = [
+            r["shape"],
+            str(r["m"]),
+            str(r["n"]),
+            str(r["k"]),
+            r["dtype"],
+            r["b_layout"],
+            r["epilogue"],
+            f"{r['cublas_tflops']:.0f}",
+        ]
+        for t in tiles:
+            v = r["ours"].get(t)
+            cells.append(
+                f"{v['tflops']:.0f}"
+                if v and "tflops" in v
+                else ("-" if not v else f"err {v.get('status')}")
+            )
+        cells.append(f"{r['best_vs_cublas']:.3f}x ({r['best_tile']})" if "best_tile" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    ratios = [r["best_vs_cublas"] for r in doc["rows"] if "best_vs_cublas" in r]
+    if ratios:
+        gm = statistics.geometric_mean(ratios)
+        lines += [
+            "",
+            f"Best configuration vs cuBLAS: geometric mean {gm:.3f}x, minimum "
+            f"{min(ratios):.3f}x over {len(ratios)} rows.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def suggest(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per shape class of worker.gemm_selection: the geometric mean over the class's rows of
+    each tile's speed against cuBLAS (the selection table takes the best)."""
+    from worker.gemm import weight_spec
+    from worker.gemm_selection import shape_class
+
+    per: dict[str, dict[str, list[float]]] = {}
+    for r in doc["rows"]:
+        spec = weight_spec(dtype=r["dtype"], m=r["m"], n=r["n"], k=r["k"], b_kmajor=True)
+        key = "/".join(shape_class(spec))
+        for tile, v in r["ours"].items():
+            if "vs_cublas" in v:
+                per.setdefault(key, {}).setdefault(tile, []).append(v["vs_cublas"])
+    return {
+        key: {t: round(statistics.geometric_mean(v), 3) for t, v in sorted(tiles.items())}
+        for key, tiles in sorted(per.items())
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_bench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("dir", type=Path)
+    b.add_argument("--acts", nargs="+", default=["none"])
+    b.add_argument("--dtypes", nargs="+", default=["float16"])
+    b.add_argument("--tiles", nargs="+", default=None)
+    b.add_argument(
+        "--source-c",
+        nargs="+",
+        choices=["yes", "no"],
+        default=["no", "yes"],
+        help="configurations without C (bias, activation) and/or with it (residual)",
+    )
+    b.add_argument("--emit", action="store_true", help="write sources + build.sh, compile nothing")
+    r = sub.add_parser("run")
+    r.add_argument("dir", type=Path)
+    r.add_argument("out", type=Path)
+    r.add_argument("--rounds", type=int, default=5)
+    r.add_argument("--epilogues", nargs="+", default=["bias", "bias_residual"])
+    sg = sub.add_parser("suggest", help="per shape class, each tile's geomean vs cuBLAS")
+    sg.add_argument("json", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "suggest":
+        print(json.dumps(suggest(json.loads(args.json.read_text())), indent=1))
+    elif args.cmd == "build":
+        build(
+            args.dir,
+            args.acts,
+            args.dtypes,
+            args.tiles,
+            [c == "yes" for c in args.source_c],
+            args.emit,
+        )
+    else:
+        run(args.dir, args.out, args.rounds, args.epilogues)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
