@@ -318,8 +318,18 @@ def check(root: Path, out: Path, budget_s: float = 200.0, cases: list[str] | Non
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "models_gpu.json").write_text(json.dumps(doc, indent=2))
+    (out / "models_gpu.md").write_text(to_markdown(doc))
     print(f"{doc['passed']}/{doc['total']} passed")
     return 0 if doc["passed"] == doc["total"] else 1
+
+
+#: the ways timed, in table order: (result key prefix, column title)
+WAYS = [
+    ("eager", "eager"),
+    ("torch_compile", "torch.compile"),
+    ("torch_compile_max_autotune", "max-autotune-no-cudagraphs"),
+    ("stackfuse", "stackfuse"),
+]
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
@@ -327,29 +337,55 @@ def to_markdown(doc: dict[str, Any]) -> str:
         f"# Whole models on {doc['device']} ({doc['date']})",
         "",
         f"Command: `{doc['command']}` (libraries built with `python -m benchmarks.models_gpu "
-        "build .gpu/models`). Torch " + doc.get("torch", "?") + ". " + doc["timing"] + ".",
-        f"Reference: {doc['reference']}.",
+        "build .gpu/models CASE...`). Torch " + doc.get("torch", "?") + ". " + doc["timing"] + ".",
+        f"Reference: {doc['reference']}. Speed-ups are the peer's time over ours (> 1: faster).",
         "",
-        "| case | sites | fused stacked | rel err (ours) | rel err (eager fp16) | max abs err | "
-        "passed | eager us | torch.compile us | stackfuse us |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | attention fused | GEMMs offloaded | GEMM configs | rel err (ours) | "
+        "rel err (eager fp16) | passed | " + " | ".join(f"{t} ms" for _, t in WAYS) + " | "
+        "vs eager | vs torch.compile | vs max-autotune |",
+        "|" + "---|" * (10 + len(WAYS)),
     ]
     for r in doc["results"]:
 
-        def f(key: str, fmt: str = "{:.3g}", r: dict[str, Any] = r) -> str:
+        def f(key: str, fmt: str = "{:.3g}", r: dict[str, Any] = r, scale: float = 1.0) -> str:
             v = r.get(key)
-            return fmt.format(v) if isinstance(v, int | float) else "-"
+            return fmt.format(v * scale) if isinstance(v, int | float) else "-"
 
         lines.append(
-            f"| {r['case']} | {r.get('sites', '-')} | {r.get('fused_stacked', '-')} | "
-            f"{f('rel_error')} | {f('eager_rel_error')} | {f('max_abs_error')} | "
-            f"{r.get('passed')} | {f('eager_us', '{:.1f}')} | {f('torch_compile_us', '{:.1f}')} | "
-            f"{f('stackfuse_us', '{:.1f}')} |"
+            f"| {r['case']} | {r.get('fused_stacked', '-')}/{r.get('sites', '-')} | "
+            f"{r.get('gemm_offloaded', '-')}/{r.get('gemm_sites', '-')} | "
+            f"{r.get('gemm_configurations', '-')} | {f('rel_error')} | {f('eager_rel_error')} | "
+            f"{r.get('passed')} | "
+            + " | ".join(f(f"{k}_us", "{:.2f}", scale=1e-3) for k, _ in WAYS)
+            + " | "
+            + " | ".join(f(f"speedup_vs_{k}", "{:.2f}x") for k, _ in WAYS[:3])
+            + " |"
         )
-    errs = [r for r in doc["results"] if r.get("torch_compile_error") or r.get("error")]
-    for r in errs:
-        lines.append("")
-        lines.append(f"- {r['case']}: {r.get('error') or r.get('torch_compile_error')}")
+    broken = [r for r in doc["results"] if r.get("gpu_us_by_class")]
+    if broken:
+        lines += [
+            "",
+            "GPU time per call by kernel class (torch.profiler; ms: GEMMs / attention / the rest "
+            "= total):",
+            "",
+            "| case | " + " | ".join(t for _, t in WAYS) + " |",
+            "|" + "---|" * (1 + len(WAYS)),
+        ]
+        for r in broken:
+            cells = []
+            for k, _ in WAYS:
+                b = r["gpu_us_by_class"].get(k)
+                cells.append(
+                    f"{b['gemm'] / 1e3:.2f} / {b['attention'] / 1e3:.2f} / {b['other'] / 1e3:.2f}"
+                    f" = {b['total'] / 1e3:.2f}"
+                    if b
+                    else "-"
+                )
+            lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    for r in doc["results"]:
+        for key in ("error", "torch_compile_error", "torch_compile_max_autotune_error"):
+            if r.get(key):
+                lines += ["", f"- {r['case']} ({key}): {r[key]}"]
     return "\n".join(lines) + "\n"
 
 

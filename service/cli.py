@@ -349,9 +349,11 @@ def _cmd_compile(args: argparse.Namespace, settings: Settings) -> int:
 def _register_prebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "prebuild",
-        help="compile the Hopper kernel configurations the selector picks into the kernel cache",
-        description="Each configuration (dtype, variant, head-dim tile, mask) is one CUTLASS "
-        "compile of ~45 s and ~4 GB on 2 cores, shared by every model and shape that uses it. "
+        help="compile the Hopper attention and GEMM configurations the selectors pick into the "
+        "kernel cache",
+        description="Each configuration (attention: dtype, variant, head-dim tile, mask; GEMM: "
+        "dtype, tile, weight layout, epilogue) is one CUTLASS compile of ~45-95 s and ~4 GB on "
+        "2 cores, shared by every model and shape that uses it. "
         "Run this once against the workers' kernel cache (STACKFUSE_KERNEL_CACHE_DIR) so that "
         "jobs compile only their glue (seconds).",
     )
@@ -368,12 +370,14 @@ def _cmd_prebuild(args: argparse.Namespace, settings: Settings) -> int:
     import re
     from concurrent.futures import ThreadPoolExecutor
 
-    from worker import codegen, hopper
+    from worker import codegen, gemm_sm90, hopper
 
     for d in args.dtype:
         if d not in ("float16", "bfloat16"):
             return _fail(f"--dtype {d}: the Hopper kernel takes float16 and bfloat16", EXIT_INPUT)
-    units = [hopper.render_config(spec, v) for v, spec in hopper.selected_configs(args.dtype)]
+    dtypes = tuple(args.dtype)
+    units = [hopper.render_config(spec, v) for v, spec in hopper.selected_configs(dtypes)]
+    units += gemm_sm90.selected_configs(dtypes)
     if args.only:
         try:
             units = [u for u in units if re.search(args.only, str(u.config["type"]))]

@@ -16,8 +16,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from worker.gemm import GemmSpec
+
+if TYPE_CHECKING:
+    from worker.codegen import KernelSource
 
 FAMILY = "cutlass_gemm_sm90"
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
@@ -108,7 +112,7 @@ def include_dirs() -> list[Path]:
     return [KERNELS_DIR, *chain.cutlass_includes]
 
 
-def render_config(spec: GemmSpec, tile: Tile):
+def render_config(spec: GemmSpec, tile: Tile) -> KernelSource:
     """The translation unit of one configuration: the CUTLASS kernel and its launcher, exported
     as a ``LaunchFn`` named by a digest of the configuration, shared by every site and model
     that needs it (the expensive compile)."""
@@ -167,7 +171,7 @@ def kernel_symbol(spec: GemmSpec, tile: Tile) -> str:
     return f"stackfuse_g{digest[:24]}"
 
 
-def render(spec: GemmSpec, tile: Tile):
+def render(spec: GemmSpec, tile: Tile) -> KernelSource:
     """The TVM-FFI glue of one site, exporting ``symbol(op_0, ..., op_{n-1}, out)`` and calling
     the configuration that ``needs`` holds (:func:`render_config`)."""
     from worker.codegen import KernelSource
@@ -259,7 +263,7 @@ def select(spec: GemmSpec) -> tuple[Tile, str]:
     return TILES[name], why
 
 
-def select_kernel(spec: GemmSpec, arch: str):
+def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
     """(glue KernelSource, reason) for one GEMM site on ``arch``."""
     tile, why = select(spec)
     ks = render(spec, tile)
@@ -267,3 +271,31 @@ def select_kernel(spec: GemmSpec, arch: str):
     layout = "[N, K] read transposed" if spec.b_kmajor else "[K, N] as stored"
     reason = f"CUTLASS 3 Hopper GEMM ({tile.words}; epilogue: {epi}; B {layout}): {why}"
     return ks, reason
+
+
+def selected_configs(dtypes: tuple[str, ...] = ("float16", "bfloat16")) -> list[KernelSource]:
+    """Every configuration the selection can pick, one per C++ type: each selected tile, for
+    both weight layouts, with each activation (no C) and with a residual (C, no activation).
+    What ``stackfuse prebuild`` compiles beside the attention configurations."""
+    from worker.gemm import ACTIVATIONS, weight_spec
+    from worker.gemm_selection import SELECTION
+
+    out: dict[str, KernelSource] = {}
+    for name in sorted({tile for tile, _ in SELECTION.values()}):
+        for dtype in dtypes:
+            for kmajor in (True, False):
+                epilogues = [(act, False) for act in ACTIVATIONS] + [("none", True)]
+                for act, residual in epilogues:
+                    spec = weight_spec(
+                        dtype=dtype,  # type: ignore[arg-type]
+                        m=4096,
+                        n=1024,
+                        k=1024,
+                        b_kmajor=kmajor,
+                        activation=act,
+                        bias=True,
+                        residual=residual,
+                    )
+                    ks = render_config(spec, TILES[name])
+                    out.setdefault(ks.symbol, ks)
+    return list(out.values())

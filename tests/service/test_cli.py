@@ -160,10 +160,14 @@ def test_prebuild_lists_the_selected_configurations_and_refuses_bad_input(
     r = stackfuse("prebuild", "--list", "--dtype", "float16", env=service_env, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
-    assert len(lines) >= 10 and all(line.startswith("stackfuse_hcfg_") for line in lines)
+    attention = [line for line in lines if line.startswith("stackfuse_hcfg_")]
+    gemm = [line for line in lines if line.startswith("stackfuse_gcfg_")]
+    assert len(attention) >= 10 and len(gemm) >= 12 and len(attention) + len(gemm) == len(lines)
     assert all(line.split()[1] in ("cached", "missing") for line in lines)
     assert all("cutlass::half_t" in line for line in lines)
-    assert any("KernelTmaWarpSpecializedPingpong" in line for line in lines)
+    assert any("KernelTmaWarpSpecializedPingpong" in line for line in attention)
+    for act in ("GELU_taylor", "GELU", "SiLu", "ReLu", "Identity"):
+        assert any(f"thread::{act}," in g for g in gemm), act
     one = stackfuse(
         "prebuild",
         "--list",
