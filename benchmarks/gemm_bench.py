@@ -81,10 +81,15 @@ def build(
     out_dir.mkdir(parents=True, exist_ok=True)
     ways = []
     units: dict[str, KernelSource] = {}
+    if tiles == ["selected"]:
+        from worker.gemm_selection import SELECTION
+
+        tiles = sorted({name for name, _ in SELECTION.values()})
     for dtype in dtypes:
         for kmajor in (True, False):
             for act in acts:
-                for has_c in source_c:
+                # C is the residual, which takes no activation (the patterns' last step)
+                for has_c in [c for c in source_c if not c or act == "none"]:
                     for name in tiles or list(gemm_sm90.TILES):
                         spec = weight_spec(
                             dtype=dtype,  # type: ignore[arg-type]
@@ -261,7 +266,20 @@ def _peer(epi: str, kmajor: bool, a: Any, w: Any, bias: Any, res: Any) -> Any:
     return lambda: torch.matmul(a, wt)
 
 
-def run(build_dir: Path, out_dir: Path, rounds: int, epilogues: list[str]) -> None:
+def _selected_tile(dtype: str, m: int, n: int, k: int, kmajor: bool) -> str:
+    """The tile worker.gemm_selection picks for this shape (what a library built now runs)."""
+    from worker.gemm import weight_spec
+    from worker.gemm_selection import pick
+
+    spec = weight_spec(dtype=dtype, m=m, n=n, k=k, b_kmajor=kmajor, bias=True)  # type: ignore[arg-type]
+    return pick(spec)[0]
+
+
+def run(
+    build_dir: Path, out_dir: Path, rounds: int, epilogues: list[str], selected: bool = False
+) -> None:
+    """Time every configuration of ``build_dir`` that fits each row (``selected``: only the
+    tile the selector picks for the row's shape) against cuBLAS's best path."""
     import torch
     import torch.nn.functional as F
 
@@ -311,12 +329,14 @@ def run(build_dir: Path, out_dir: Path, rounds: int, epilogues: list[str]) -> No
                         "cublas_max_abs_error": peer_err,
                         "ours": {},
                     }
+                    pick = _selected_tile(dtype_name, m, n, k, kmajor) if selected else None
                     for c in configs:
                         if (
                             c["dtype"] != dtype_name
                             or c["b_kmajor"] != kmajor
                             or c["activation"] != act
                             or c["source_c"] != use_res
+                            or (pick is not None and c["tile"] != pick)
                         ):
                             continue
                         fn = getattr(lib, f"bench_{c['symbol']}")
@@ -375,6 +395,7 @@ def run(build_dir: Path, out_dir: Path, rounds: int, epilogues: list[str]) -> No
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "rounds": rounds,
+        "selected_only": selected,
         "calls_per_round": CALLS,
         "rows": rows,
     }
@@ -463,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("dir", type=Path)
     b.add_argument("--acts", nargs="+", default=["none"])
     b.add_argument("--dtypes", nargs="+", default=["float16"])
-    b.add_argument("--tiles", nargs="+", default=None)
+    b.add_argument(
+        "--tiles", nargs="+", default=None, help="tile names, or 'selected': the selector's"
+    )
     b.add_argument(
         "--source-c",
         nargs="+",
@@ -477,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("out", type=Path)
     r.add_argument("--rounds", type=int, default=5)
     r.add_argument("--epilogues", nargs="+", default=["bias", "bias_residual"])
+    r.add_argument(
+        "--selected", action="store_true", help="per shape, only the tile the selector picks"
+    )
     sg = sub.add_parser("suggest", help="per shape class, each tile's geomean vs cuBLAS")
     sg.add_argument("json", type=Path)
     args = ap.parse_args(argv)
@@ -492,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             args.emit,
         )
     else:
-        run(args.dir, args.out, args.rounds, args.epilogues)
+        run(args.dir, args.out, args.rounds, args.epilogues, args.selected)
     return 0
 
 

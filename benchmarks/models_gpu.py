@@ -295,7 +295,17 @@ def check(root: Path, out: Path, budget_s: float = 200.0, cases: list[str] | Non
         del COMPILE_MODES[1:]
     budget_s = float(os.environ.get("STACKFUSE_MODELS_BUDGET_S", budget_s))
     deadline = time.monotonic() + budget_s
-    rows = []
+    rows: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": "python -m benchmarks.models_gpu check .gpu/models $OUT",
+        "timing": f"CUDA events, {WARMUP} warm-up calls, median of {ITERS}, microseconds",
+        "reference": "same model, PyTorch eager float32, TF32 off",
+        "results": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
     for case_dir in sorted(p for p in root.iterdir() if (p / "case.json").exists()):
         if cases and case_dir.name not in cases:
             continue
@@ -305,20 +315,11 @@ def check(root: Path, out: Path, budget_s: float = 200.0, cases: list[str] | Non
             row = {"case": case_dir.name, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    doc = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "command": "python -m benchmarks.models_gpu check .gpu/models $OUT",
-        "timing": f"CUDA events, {WARMUP} warm-up calls, median of {ITERS}, microseconds",
-        "reference": "same model, PyTorch eager float32, TF32 off",
-        "results": rows,
-        "passed": sum(bool(r.get("passed")) for r in rows),
-        "total": len(rows),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "models_gpu.json").write_text(json.dumps(doc, indent=2))
-    (out / "models_gpu.md").write_text(to_markdown(doc))
+        # written after every case: a run cut short keeps the cases it finished
+        doc["passed"] = sum(bool(r.get("passed")) for r in rows)
+        doc["total"] = len(rows)
+        (out / "models_gpu.json").write_text(json.dumps(doc, indent=2))
+        (out / "models_gpu.md").write_text(to_markdown(doc))
     print(f"{doc['passed']}/{doc['total']} passed")
     return 0 if doc["passed"] == doc["total"] else 1
 

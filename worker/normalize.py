@@ -168,7 +168,8 @@ class _Local(relax.PyExprMutator):
         if op == "relax.power":
             return self.integer_power(call)
         if op == "relax.multiply":
-            return self.tanh_gelu(call)
+            out = self.tanh_gelu(call)
+            return self.silu(call) if out is call else out
         if op == "relax.nn.attention_bias":
             call = self.constant_mask(call)
         if _op(call) in ATTENTION_OPS and self.combine:
@@ -357,6 +358,16 @@ class _Local(relax.PyExprMutator):
                 if lin.same_as(x) and c is not None and self._is_cube(c, x):
                     self.log.counts["gelu_tanh"] += 1
                     return relax.op.nn.gelu_tanh(x)
+        return call
+
+    def silu(self, call: relax.Call) -> Any:
+        """``x * sigmoid(x)`` (how torch.export writes SiLU) -> ``silu(x)``: the gate of SwiGLU
+        then fuses into its GEMM's epilogue."""
+        for x, s in ((call.args[0], call.args[1]), (call.args[1], call.args[0])):
+            sig = self.value(s)
+            if _op(sig) == "relax.sigmoid" and sig.args[0].same_as(x):
+                self.log.counts["silu"] += 1
+                return relax.op.nn.silu(x)
         return call
 
     # ---- decomposed attention ------------------------------------------------------------
@@ -595,6 +606,7 @@ _MESSAGES = {
     "empty_concat": "{n} concat(s) with zero-width operands simplified",
     "integer_power": "{n} power(x, 2|3|4) written as multiplies (fast-math powf is NaN for x < 0)",
     "gelu_tanh": "{n} tanh-form GELU chain(s) written as gelu_tanh (fusable into a GEMM epilogue)",
+    "silu": "{n} x * sigmoid(x) written as silu (fusable into a GEMM epilogue)",
 }
 
 

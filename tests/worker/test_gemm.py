@@ -225,6 +225,37 @@ def test_tanh_gelu_chain_becomes_one_operator() -> None:
     np.testing.assert_allclose(run(new), run(mod), atol=2e-3)
 
 
+def test_x_times_sigmoid_x_becomes_silu_and_fuses_into_its_gemm() -> None:
+    """torch.export writes SiLU (SwiGLU's gate) as x * sigmoid(x); as silu it is an epilogue."""
+    m, k, n = 64, 32, 48
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((m, k), "float16"))
+        w = R.arg("w", R.Tensor((n, k), "float16"))
+        with R.dataflow() as frame:
+            y = R.emit(R.matmul(x, R.permute_dims(w, [1, 0])))
+            out = R.emit(R.multiply(y, R.sigmoid(y)))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    new, rewrites = normalize.normalize(mod, OPTS)
+    assert "silu" in {r.rewrite for r in rewrites}
+    assert "R.nn.silu" in new["main"].script() and "R.sigmoid" not in new["main"].script()
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((m, k)).astype("float16")
+    w_np = (rng.standard_normal((n, k)) / k**0.5).astype("float16")
+    dev = tvm.cpu()
+
+    def run(mod: Any) -> np.ndarray:
+        vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), dev)
+        args = [tvm.runtime.tensor(a, dev) for a in (x_np, w_np)]
+        return vm["main"](*args).numpy().astype("float32")
+
+    np.testing.assert_allclose(run(new), run(mod), atol=2e-3)
+    (entry,) = _gemms(new).entries
+    assert entry.offloaded and entry.epilogue == ["silu"], entry
+
+
 # --------------------------------------------------------------------------------------------
 # glue and selection
 # --------------------------------------------------------------------------------------------
