@@ -49,6 +49,33 @@ GRID_SHAPES: list[tuple[str, int, int, int]] = [
     for m in (512, 16384)
     for n, k in ((1024, 4096), (4096, 1024), (8192, 8192))
 ]
+SHAPES = {"all": MODEL_SHAPES + GRID_SHAPES, "models": MODEL_SHAPES}
+#: epilogue -> (activation, bias, residual)
+EPILOGUES: dict[str, tuple[str, bool, bool]] = {
+    "none": ("none", False, False),
+    "bias": ("none", True, False),
+    "bias_residual": ("none", True, True),
+    "bias_gelu_tanh": ("gelu_tanh", True, False),
+    "bias_gelu": ("gelu", True, False),
+    "residual": ("none", False, True),
+    "silu": ("silu", False, False),
+}
+#: ``--epilogues as-used``: each model GEMM with the weight layout and epilogue its library
+#: runs (GPT-2's Conv1D weights and BERT's concatenated QKV are [K, N]; nn.Linear's [N, K])
+AS_USED: dict[str, tuple[str, str]] = {
+    "gpt2_qkv": ("n_major", "bias"),
+    "gpt2_proj": ("n_major", "bias_residual"),
+    "gpt2_fc": ("n_major", "bias_gelu_tanh"),
+    "gpt2_fc2": ("n_major", "bias_residual"),
+    "bert_qkv": ("n_major", "bias"),
+    "bert_proj": ("k_major", "bias_residual"),
+    "bert_fc": ("k_major", "bias_gelu"),
+    "bert_fc2": ("k_major", "bias_residual"),
+    "llama_qkv": ("k_major", "none"),
+    "llama_o": ("k_major", "residual"),
+    "llama_up": ("k_major", "silu"),
+    "llama_down": ("k_major", "residual"),
+}
 CALLS = 20
 PREROLL_S = 0.1
 
@@ -63,6 +90,7 @@ def build(
     tiles: list[str] | None,
     source_c: list[bool],
     emit: bool = False,
+    shapes: str = "all",
 ) -> None:
     """Compile every (dtype, B layout, activation, with/without C, tile) configuration and link
     ``libgemm_bench.so``; with ``emit``, write the sources and ``build.sh`` instead, to compile
@@ -81,39 +109,59 @@ def build(
     out_dir.mkdir(parents=True, exist_ok=True)
     ways = []
     units: dict[str, KernelSource] = {}
-    if tiles == ["selected"]:
-        from worker.gemm_selection import SELECTION
-
-        tiles = sorted({name for name, _ in SELECTION.values()})
-    for dtype in dtypes:
-        for kmajor in (True, False):
-            for act in acts:
-                # C is the residual, which takes no activation (the patterns' last step)
-                for has_c in [c for c in source_c if not c or act == "none"]:
-                    for name in tiles or list(gemm_sm90.TILES):
-                        spec = weight_spec(
-                            dtype=dtype,  # type: ignore[arg-type]
-                            m=4096,
-                            n=1024,
-                            k=1024,
-                            b_kmajor=kmajor,
-                            activation=act,  # type: ignore[arg-type]
-                            residual=has_c,
-                        )
-                        tile = gemm_sm90.TILES[name]
-                        ks = gemm_sm90.render_config(spec, tile)
-                        units.setdefault(ks.symbol, ks)
-                        ways.append(
-                            {
-                                "symbol": ks.symbol,
-                                "tile": name,
-                                "dtype": dtype,
-                                "b_kmajor": kmajor,
-                                "activation": act,
-                                "source_c": has_c,
-                                "swizzle": tile.swizzle,
-                            }
-                        )
+    if tiles == ["selected"]:  # the tiles the selector picks for the shapes ``run`` times
+        tiles = sorted(
+            {
+                _selected_tile(dtype, m, n, k, kmajor)
+                for _, m, n, k in SHAPES[shapes]
+                for dtype in dtypes
+                for kmajor in (True, False)
+            }
+        )
+    if acts == ["as-used"]:  # the configurations the models' libraries link, nothing else
+        combos = []
+        for name, m, n, k in MODEL_SHAPES:
+            layout, epi = AS_USED[name]
+            act, _, has_c = EPILOGUES[epi]
+            for dtype in dtypes:
+                kmajor = layout == "k_major"
+                combos.append((dtype, kmajor, act, has_c, _selected_tile(dtype, m, n, k, kmajor)))
+    else:
+        combos = [
+            (dtype, kmajor, act, has_c, name)
+            for dtype in dtypes
+            for kmajor in (True, False)
+            for act in acts
+            # C is the residual, which takes no activation (the patterns' last step)
+            for has_c in [c for c in source_c if not c or act == "none"]
+            for name in tiles or list(gemm_sm90.TILES)
+        ]
+    for dtype, kmajor, act, has_c, name in combos:
+        spec = weight_spec(
+            dtype=dtype,  # type: ignore[arg-type]
+            m=4096,
+            n=1024,
+            k=1024,
+            b_kmajor=kmajor,
+            activation=act,  # type: ignore[arg-type]
+            residual=has_c,
+        )
+        tile = gemm_sm90.TILES[name]
+        ks = gemm_sm90.render_config(spec, tile)
+        if ks.symbol in units and any(w["symbol"] == ks.symbol and w["tile"] == name for w in ways):
+            continue
+        units.setdefault(ks.symbol, ks)
+        ways.append(
+            {
+                "symbol": ks.symbol,
+                "tile": name,
+                "dtype": dtype,
+                "b_kmajor": kmajor,
+                "activation": act,
+                "source_c": has_c,
+                "swizzle": tile.swizzle,
+            }
+        )
     decls = "\n".join(f"Status {sym}(Problem const&, cudaStream_t, cudaError_t*);" for sym in units)
     entries = "\n".join(
         f"""extern "C" __attribute__((visibility("default"))) int bench_{sym}(
@@ -263,6 +311,10 @@ def _peer(epi: str, kmajor: bool, a: Any, w: Any, bias: Any, res: Any) -> Any:
         return lambda: linear().add_(res)
     if epi == "bias":
         return linear
+    if epi == "residual":  # cuBLAS's own C input (beta = 1)
+        return lambda: torch.addmm(res, a, wt)
+    if epi == "silu":
+        return lambda: F.silu(torch.matmul(a, wt))
     return lambda: torch.matmul(a, wt)
 
 
@@ -276,7 +328,12 @@ def _selected_tile(dtype: str, m: int, n: int, k: int, kmajor: bool) -> str:
 
 
 def run(
-    build_dir: Path, out_dir: Path, rounds: int, epilogues: list[str], selected: bool = False
+    build_dir: Path,
+    out_dir: Path,
+    rounds: int,
+    epilogues: list[str],
+    selected: bool = False,
+    shapes: str = "all",
 ) -> None:
     """Time every configuration of ``build_dir`` that fits each row (``selected``: only the
     tile the selector picks for the row's shape) against cuBLAS's best path."""
@@ -289,7 +346,7 @@ def run(
     stream = torch.cuda.current_stream().cuda_stream
     rows: list[dict[str, Any]] = []
     torch.manual_seed(0)
-    for name, m, n, k in MODEL_SHAPES + GRID_SHAPES:
+    for name, m, n, k in SHAPES[shapes]:
         for dtype_name in sorted({c["dtype"] for c in configs}):
             dt = getattr(torch, dtype_name)
             a = (torch.randn(m, k, device="cuda") * 0.5).to(dt)
@@ -299,18 +356,19 @@ def run(
             res = torch.randn(m, n, device="cuda").to(dt)
             d = torch.empty(m, n, device="cuda", dtype=dt)
             ref_mm = a.float() @ w_nk.float().t()
-            for epi in epilogues:
-                act = {"bias_gelu_tanh": "gelu_tanh", "bias_gelu": "gelu"}.get(epi, "none")
-                use_bias = epi.startswith("bias")
-                use_res = epi.endswith("residual")
+            as_used = epilogues == ["as-used"]
+            for epi in [AS_USED[name][1]] if as_used else epilogues:
+                act, use_bias, use_res = EPILOGUES[epi]
                 ref = ref_mm + (bias.float() if use_bias else 0)
                 if act == "gelu_tanh":
                     ref = F.gelu(ref, approximate="tanh")
                 elif act == "gelu":
                     ref = F.gelu(ref)
+                elif act == "silu":
+                    ref = F.silu(ref)
                 if use_res:
                     ref = ref + res.float()
-                for kmajor in (True, False):
+                for kmajor in [AS_USED[name][0] == "k_major"] if as_used else [True, False]:
                     w = w_nk if kmajor else w_kn
                     layout = "k_major" if kmajor else "n_major"
 
@@ -482,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
-    b.add_argument("--acts", nargs="+", default=["none"])
+    b.add_argument(
+        "--acts", nargs="+", default=["none"], help="activations, or as-used: each model GEMM's own"
+    )
     b.add_argument("--dtypes", nargs="+", default=["float16"])
     b.add_argument(
         "--tiles", nargs="+", default=None, help="tile names, or 'selected': the selector's"
@@ -495,11 +555,18 @@ def main(argv: list[str] | None = None) -> int:
         help="configurations without C (bias, activation) and/or with it (residual)",
     )
     b.add_argument("--emit", action="store_true", help="write sources + build.sh, compile nothing")
+    b.add_argument("--shapes", choices=sorted(SHAPES), default="all")
     r = sub.add_parser("run")
     r.add_argument("dir", type=Path)
     r.add_argument("out", type=Path)
     r.add_argument("--rounds", type=int, default=5)
-    r.add_argument("--epilogues", nargs="+", default=["bias", "bias_residual"])
+    r.add_argument(
+        "--epilogues",
+        nargs="+",
+        default=["bias", "bias_residual"],
+        help=f"of {sorted(EPILOGUES)}, or as-used: each model GEMM's own (with --shapes models)",
+    )
+    r.add_argument("--shapes", choices=sorted(SHAPES), default="all")
     r.add_argument(
         "--selected", action="store_true", help="per shape, only the tile the selector picks"
     )
@@ -516,9 +583,10 @@ def main(argv: list[str] | None = None) -> int:
             args.tiles,
             [c == "yes" for c in args.source_c],
             args.emit,
+            args.shapes,
         )
     else:
-        run(args.dir, args.out, args.rounds, args.epilogues, args.selected)
+        run(args.dir, args.out, args.rounds, args.epilogues, args.selected, args.shapes)
     return 0
 
 

@@ -86,8 +86,9 @@ def test_the_gemm_summary_takes_each_class_geomean_per_tile() -> None:
         ]
     }
     per = gemm_bench.suggest(doc)
-    assert per["large/narrow"] == {"t1": 0.5, "t2": 1.0}
-    assert per["small/wide"] == {"t1": 0.9}
+    assert per["large/narrow/shallow"] == {"t1": 1.0, "t2": 0.5}
+    assert per["large/narrow/deep"] == {"t1": 0.25, "t2": 2.0}
+    assert per["small/wide/shallow"] == {"t1": 0.9}
 
 
 def test_the_gemm_table_names_the_best_tile_and_the_geomean() -> None:

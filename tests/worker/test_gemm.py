@@ -275,9 +275,31 @@ def test_glue_carries_the_sites_numbers_and_names_its_configuration() -> None:
         assert gemm_sm90.render(other, other_tile).needs[0].source == cfg.source
 
 
-def test_every_shape_class_has_a_tile_that_exists() -> None:
-    for name, _why in gemm_selection.SELECTION.values():
+def test_every_shape_class_has_a_tile_that_exists_and_names_measured_rows() -> None:
+    from benchmarks.gemm_bench import GRID_SHAPES, MODEL_SHAPES
+
+    shapes = {name: (m, n, k) for name, m, n, k in MODEL_SHAPES + GRID_SHAPES}
+    bands = [(r, n, k) for r in ("small", "medium", "large") for n in ("narrow", "wide")
+             for k in ("shallow", "deep")]  # fmt: skip
+    assert sorted(gemm_selection.SELECTION) == sorted(bands)
+    for key, (name, why) in gemm_selection.SELECTION.items():
         assert name in gemm_sm90.TILES
+        rows = [w.strip() for w in why.split(",") if w.strip() in shapes]
+        for row in rows:  # each named row lies in the class it justifies
+            m, n, k = shapes[row]
+            spec = weight_spec(dtype="float16", m=m, n=n, k=k, b_kmajor=True)
+            assert gemm_selection.shape_class(spec) == key, (row, key)
+        assert rows or why.startswith("no row"), why
+
+
+def test_shape_classes_of_the_models_layers() -> None:
+    def cls(m: int | str, n: int, k: int) -> tuple[str, str, str]:
+        spec = weight_spec(dtype="float16", m=m, n=n, k=k, b_kmajor=True)
+        return gemm_selection.shape_class(spec)
+
+    assert cls(4096, 768, 3072) == ("medium", "narrow", "deep")  # BERT-base B32 S128 fc2
+    assert cls(8192, 2304, 768) == ("large", "wide", "shallow")  # GPT-2 small B8 S1024 qkv
+    assert cls("n", 768, 768) == ("large", "narrow", "shallow")  # a symbolic M: serving
 
 
 # --------------------------------------------------------------------------------------------
