@@ -1,6 +1,13 @@
 """Compile-time and memory figures on this machine (no GPU needed).
 
     python -m benchmarks.compile_bench [--out benchmarks/results/compile_bench.json]
+    python -m benchmarks.compile_bench --model MODEL.json [MODEL.json ...] \
+        --out benchmarks/results/compile_models.json
+
+The second form compiles whole imported models (``stackfuse import`` output) for sm_90 against
+the kernel cache in ``STACKFUSE_KERNEL_CACHE_DIR`` as it is (e.g. filled by ``stackfuse
+prebuild`` or an earlier build), twice: ``first`` compiles whatever the cache lacks (the glue
+of each site, at least), ``again`` is the same job with everything cached.
 
 Goals (DEVELOPERS.md): cold compile of one SM80-class attention config <= 15 s on 2 cores; a
 kernel-cache hit <= 0.5 s; worker peak memory per job <= 2 GiB.
@@ -84,10 +91,71 @@ def _job(
     return doc
 
 
+_MODEL_CHILD = """
+import json, sys, time, resource
+from pathlib import Path
+from service.settings import get_settings
+from service.spec import CompileOptions, Target
+from worker.pipeline import compile_module
+body = Path(sys.argv[1]).read_bytes()
+t0 = time.monotonic()
+res = compile_module(body, target=Target(arch="sm_90"),
+                     options=CompileOptions(validate_on_gpu="never"),
+                     out_dir=Path(sys.argv[2]), settings=get_settings())
+s = res.report.summary
+print(json.dumps({"job_seconds": time.monotonic() - t0, "timings": res.report.timings,
+                  "attention_sites": s.attention_sites, "gemm_sites": s.gemm_sites,
+                  "gemm_offloaded": s.gemm_offloaded,
+                  "gemm_configurations": s.gemm_configurations,
+                  "self_max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "descendants_max_rss_kib":
+                      resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
+
+
+def _model_job(model: Path, out: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _MODEL_CHILD, str(model), str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc["wall_seconds"] = round(time.monotonic() - t0, 1)
+    return doc
+
+
+def models(paths: list[Path], out: Path) -> int:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stackfuse-bench-") as tmp:
+        for i, path in enumerate(paths):
+            first = _model_job(path, Path(tmp) / f"{i}a")
+            again = _model_job(path, Path(tmp) / f"{i}b")
+            rows.append({"model": str(path), "bytes": path.stat().st_size, "first": first,
+                         "again": again})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python -m benchmarks.compile_bench --model " + " ".join(map(str, paths)),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "kernel_cache": "configurations cached beforehand (first: each site's glue compiles)",
+        "models": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/compile_bench.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model", nargs="+", type=Path, default=None, help="imported model JSONs")
     args = ap.parse_args()
+    if args.model:
+        return models(args.model, Path(args.out or "benchmarks/results/compile_models.json"))
+    args.out = args.out or "benchmarks/results/compile_bench.json"
     with tempfile.TemporaryDirectory(prefix="stackfuse-bench-") as tmp:
         root = Path(tmp)
         cold = _job(root / "data", root / "kernels", root / "out1", "sm80")
