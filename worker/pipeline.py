@@ -23,6 +23,7 @@ from pathlib import Path
 from service.errors import CompileError, StackfuseError
 from service.settings import Settings, get_settings
 from service.spec import CompileOptions, Target, toolchain_versions
+from worker.kernel_source import CompiledKernel
 from worker.report import KernelChoice, Library, Report, Summary, Validation
 
 #: progress(stage, fraction_done_overall 0..1, detail) -- detail is e.g. "kernel 2 of 3".
@@ -117,12 +118,13 @@ def compile_module(
             mod = load_module(payload, fmt, settings)
         from worker import (
             build,
-            codegen,
             gemm_partition,
             gemm_sm90,
             lift,
             normalize,
+            nvcc,
             partition,
+            selection,
             validate,
         )
 
@@ -152,7 +154,7 @@ def compile_module(
         say("codegen")
         with timed("codegen"):
             chosen = {
-                ff.gvar.name_hint: codegen.select_kernel(
+                ff.gvar.name_hint: selection.select_kernel(
                     ff.analysis.spec,  # type: ignore[arg-type]
                     target.arch,
                     options.kernel,
@@ -166,10 +168,10 @@ def compile_module(
                 }
             )
             unique = {ks.symbol: ks for ks, _ in chosen.values()}
-            compiled: dict[str, codegen.CompiledKernel] = {}
+            compiled: dict[str, CompiledKernel] = {}
             for i, ks in enumerate(unique.values()):
                 say("codegen", f"compile {i + 1} of {len(unique)} kernels", i / max(1, len(unique)))
-                compiled[ks.symbol] = codegen.compile_object(ks, settings=settings)
+                compiled[ks.symbol] = nvcc.compile_object(ks, settings=settings)
         for match, sm in zip(report.matches, result.fused, strict=True):
             ks, reason = chosen[sm.gvar.name_hint]
             ck = compiled[ks.symbol]

@@ -16,7 +16,7 @@ import pytest
 
 from worker import hopper
 from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
-from worker.codegen import COMMON_FLAGS, compile_object, include_flags, nvcc_argv
+from worker.nvcc import COMMON_FLAGS, compile_object, include_flags, nvcc_argv
 from worker.toolchain import find_toolchain
 
 
