@@ -94,12 +94,17 @@ def include_flags(chain: Toolchain) -> list[str]:
     return out
 
 
-def nvcc_argv(ks: KernelSource, chain: Toolchain, src: Path, out: Path, *extra: str) -> list[str]:
+def nvcc_argv(
+    ks: KernelSource, chain: Toolchain, src: Path, out: Path, *extra: str, warnings: bool = False
+) -> list[str]:
     """The command that compiles ``ks`` (in ``src``) to ``out``: what the kernel cache runs, and
-    what tests that read nvcc's own output (``extra``: e.g. ``-Xptxas=-v``) must run too."""
+    what tests and benchmarks that read nvcc's own output (``extra``: e.g. ``-Xptxas=-v``) must
+    run too. ``warnings`` drops ``-w``, which also silences ptxas's warnings (its "Potential
+    Performance Loss" ones included); the generated code is the same either way."""
+    common = [f for f in COMMON_FLAGS if not (warnings and f == "-w")]
     return [
         str(chain.nvcc),
-        *COMMON_FLAGS,
+        *common,
         *ks.flags,
         *include_flags(chain),
         *extra,

@@ -131,6 +131,14 @@ def test_nvcc_argv_is_the_one_command_line() -> None:
     ]
 
 
+def test_warnings_drops_only_dash_w() -> None:
+    """ptxas's warnings are silenced by -w; benchmarks that read them ask for them back."""
+    quiet = nvcc.nvcc_argv(UNIT, CHAIN, Path("a.cu"), Path("a.o"))
+    loud = nvcc.nvcc_argv(UNIT, CHAIN, Path("a.cu"), Path("a.o"), warnings=True)
+    assert "-w" in quiet and "-w" not in loud
+    assert [a for a in quiet if a != "-w"] == loud
+
+
 def test_gencode_names_the_arch_without_its_suffix() -> None:
     assert nvcc.gencode("sm_80") == ("-gencode", "arch=compute_80,code=[sm_80,compute_80]")
     assert nvcc.gencode("sm_90a") == ("-gencode", "arch=compute_90,code=[sm_90,compute_90]")
