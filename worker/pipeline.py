@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from service.errors import CompileError, StackfuseError
 from service.settings import Settings, get_settings
@@ -233,15 +235,7 @@ def compile_module(
         say("validate")
         with timed("validate"):
             report.validation = (
-                validate.maybe_validate(
-                    library,
-                    payload,
-                    fmt,
-                    target,
-                    options,
-                    settings,
-                    signature,
-                )
+                _validate(library, payload, fmt, target, options, settings, signature)
                 if options.validate_on_gpu != "never"
                 else Validation(
                     status="not_run", reason="validation disabled by options.validate_on_gpu"
@@ -264,3 +258,32 @@ def compile_module(
         raise err from exc
     say("done")
     return CompileResult(library=library, report_path=_write_report(report, out_dir), report=report)
+
+
+def _validate(
+    library: Path,
+    payload: bytes,
+    fmt: str,
+    target: Target,
+    options: CompileOptions,
+    settings: Settings,
+    params: list[dict[str, Any]],
+) -> Validation:
+    """Build the TVM-only reference of the same input and run it against ``library``, when
+    validation runs on this worker at all."""
+    from worker import validate
+
+    skipped = validate.not_run(options, settings)
+    if skipped is not None:
+        return skipped
+    with tempfile.TemporaryDirectory(prefix="stackfuse-ref-") as tmp:
+        ref_dir = Path(tmp)
+        ref = compile_module(
+            payload,
+            target=target,
+            options=validate.reference_options(options),
+            out_dir=ref_dir,
+            settings=settings,
+            fmt=fmt,
+        )
+        return validate.compare(library, ref.library, params, settings, ref_dir)
