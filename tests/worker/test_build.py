@@ -70,6 +70,9 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "fused_stacked": 1,
         "fused_plain": 0,
         "not_offloaded": 0,
+        "gemm_sites": 0,
+        "gemm_offloaded": 0,
+        "gemm_configurations": 0,
     }
     assert set(doc["timings"]) >= {"ingest", "partition", "codegen", "build"}
     lib = (tmp_path / LIBRARY_NAME).read_bytes()
@@ -77,6 +80,7 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "sha256": hashlib.sha256(lib).hexdigest(),
         "size_bytes": len(lib),
         "file": "model.so",
+        "calling_convention": "main(*inputs, *params)",  # no weights to lift
     }
     assert doc["validation"]["status"] == "not_run"
     assert "no GPU" in doc["validation"]["reason"]
