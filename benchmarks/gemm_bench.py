@@ -103,8 +103,9 @@ def build(
 
     from service.settings import get_settings
     from worker import gemm_sm90
-    from worker.codegen import KernelSource, compile_object, nvcc_argv
     from worker.gemm import weight_spec
+    from worker.kernel_source import KernelSource
+    from worker.nvcc import compile_object, nvcc_argv
     from worker.toolchain import find_toolchain
 
     settings = get_settings()

@@ -32,7 +32,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.kernel_source import KernelSource
 
 REPO = Path(__file__).resolve().parent.parent
 LIB_NAME = "libhopper_test.so"
@@ -409,29 +412,15 @@ def _own_names(glue: str, cfg_source: str, flags: tuple[str, ...]) -> tuple[str,
     return glue, cfg_source
 
 
-def _nvcc_command(flags: tuple[str, ...], src: Path, obj: Path) -> list[str]:
+def _nvcc_command(unit: KernelSource, extra: tuple[str, ...], src: Path, obj: Path) -> list[str]:
+    """The service's own nvcc command for ``unit`` (:func:`worker.nvcc.nvcc_argv`) plus the
+    experiment's ``extra`` flags, timed, with ptxas's report and its warnings on (they fill
+    ``compile.json``)."""
+    from worker.nvcc import nvcc_argv
     from worker.toolchain import find_toolchain
 
-    chain = find_toolchain()
-    return [
-        "/usr/bin/time",
-        "-v",
-        str(chain.nvcc),
-        "-c",
-        "-O3",
-        "-std=c++17",
-        "-Xcompiler=-fPIC",
-        "--expt-relaxed-constexpr",
-        "-DNDEBUG",
-        "-Xptxas=-v",
-        *flags,
-        f"-I{chain.curand_include}",
-        f"-I{chain.tvm_ffi_include}",
-        f"-I{chain.dlpack_include}",
-        str(src),
-        "-o",
-        str(obj),
-    ]
+    argv = nvcc_argv(unit, find_toolchain(), src, obj, "-Xptxas=-v", *extra, warnings=True)
+    return ["/usr/bin/time", "-v", *argv]
 
 
 def _compile(cmd: list[str], log: Path) -> dict[str, Any]:
@@ -477,24 +466,22 @@ def build(out: Path, jobs: int, only: str | None) -> int:
     tasks = []
     objects: list[str] = []
 
-    def add_task(name: str, text: str, flags: tuple[str, ...]) -> None:
-        """Compile ``text`` as ``name``.o unless an object newer than it and our headers is
-        there (the source keeps its mtime when unchanged)."""
+    def add_task(name: str, text: str, unit: KernelSource, extra: tuple[str, ...] = ()) -> None:
+        """Compile ``text`` as ``name``.o with ``unit``'s flags and ``extra`` unless an object
+        newer than it and our headers is there (the source keeps its mtime when unchanged)."""
         src, objf = out / f"{name}.cu", out / f"{name}.o"
         if not src.exists() or src.read_text() != text:
             src.write_text(text)
         if objf.exists() and objf.stat().st_mtime > max(src.stat().st_mtime, newest_header):
             return
-        tasks.append((name, _nvcc_command(flags, src, objf), out / f"{name}.log"))
+        tasks.append((name, _nvcc_command(unit, extra, src, objf), out / f"{name}.log"))
 
     for obj, members in by_obj.items():
         # one configuration (the CUTLASS kernel) per object, plus the glue of each of its specs
         parts: list[str] = []
-        flags: tuple[str, ...] = ()
         configs: set[str] = set()
         for i, slot in enumerate(members):
             ks = hopper.render(_spec_for(slot), slot.symbol, slot.variant)
-            flags = (*ks.flags, *slot.flags)
             (cfg,) = ks.needs
             glue, cfg_source = ks.source, cfg.source
             if slot.flags:  # the same configuration built differently
@@ -502,16 +489,16 @@ def build(out: Path, jobs: int, only: str | None) -> int:
             parts.append(_namespaced(glue, i, slot.symbol))
             if cfg_source not in configs:
                 configs.add(cfg_source)
-                add_task(f"{obj}.cfg", cfg_source, (*cfg.flags, *slot.flags))
+                add_task(f"{obj}.cfg", cfg_source, cfg, slot.flags)
         assert len(configs) == 1, f"{obj}: one configuration per object"
-        add_task(obj, "\n".join(parts), flags)
+        add_task(obj, "\n".join(parts), ks, members[-1].flags)
         objects += [f"{obj}.cfg.o", f"{obj}.o"]
 
     # the as-rendered units (one spec, one symbol): the compiles the service pays for, cold
     single = catalog()[0]
     ks = hopper.render(_spec_for(single), "hopper_single", single.variant)
-    add_task("single.cfg", ks.needs[0].source, ks.needs[0].flags)
-    add_task("single", ks.source, ks.flags)
+    add_task("single.cfg", ks.needs[0].source, ks.needs[0])
+    add_task("single", ks.source, ks)
 
     times_path = out / "compile.json"
     times: dict[str, Any] = json.loads(times_path.read_text()) if times_path.exists() else {}

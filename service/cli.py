@@ -370,7 +370,8 @@ def _cmd_prebuild(args: argparse.Namespace, settings: Settings) -> int:
     import re
     from concurrent.futures import ThreadPoolExecutor
 
-    from worker import codegen, gemm_sm90, hopper
+    from worker import gemm_sm90, hopper, nvcc
+    from worker.kernel_source import KernelSource
 
     for d in args.dtype:
         if d not in ("float16", "bfloat16"):
@@ -391,12 +392,12 @@ def _cmd_prebuild(args: argparse.Namespace, settings: Settings) -> int:
         except StackfuseError as err:
             return _fail(f"{err.type}: {err.message}", _exit_code(err))
         for u in units:
-            state = "cached " if codegen.is_cached(u, settings, chain) else "missing"
+            state = "cached " if nvcc.is_cached(u, settings, chain) else "missing"
             print(f"{u.symbol}  {state}  {u.config['type']}")
         return EXIT_OK
 
-    def one(u: codegen.KernelSource) -> tuple[codegen.KernelSource, float, bool]:
-        c = codegen.compile_object(u, settings=settings)
+    def one(u: KernelSource) -> tuple[KernelSource, float, bool]:
+        c = nvcc.compile_object(u, settings=settings)
         return u, c.seconds, c.cache_hit
 
     try:

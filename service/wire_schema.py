@@ -1,6 +1,6 @@
 """TVM's reflection schema for the node types service.wire accepts. GENERATED: do not
-edit; run `python -m worker.ingest --write-wire-schema` after changing the allow-lists
-or the pinned TVM (tests/hostile/test_wire.py fails until you do)."""
+edit; run `python -m worker.wire_schema_gen --write-wire-schema` after changing the
+allow-lists or the pinned TVM (tests/hostile/test_wire.py fails until you do)."""
 
 # ruff: noqa: E501
 # fmt: off

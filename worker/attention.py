@@ -1,8 +1,8 @@
 """The attention workload a kernel must implement, and where its operands live in memory.
 
-``partition`` produces an :class:`AttentionSpec` from a matched site; ``codegen`` renders a kernel
-from it; the report shows its layout. It holds numbers and enums only: nothing the client named
-ever reaches generated source through it. No TVM import.
+``partition`` produces an :class:`AttentionSpec` from a matched site; ``fmha_sm80`` or
+``hopper`` renders a kernel from it; the report shows its layout. It holds numbers and enums
+only: nothing the client named ever reaches generated source through it. No TVM import.
 """
 
 from __future__ import annotations

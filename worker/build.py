@@ -4,7 +4,8 @@
 - ``relax.ext.cutlass`` is ours: the PyPI wheel ships no CUTLASS codegen. It hands TVM the
   cached kernel objects as static libraries, linked into the final library.
 - TVM's own CUDA kernels (everything that is not attention) go through our
-  ``tvm_callback_cuda_compile``: sandboxed nvcc, cached fatbins, an explicit arch. The library
+  ``tvm_callback_cuda_compile``: sandboxed nvcc, fatbins in the one kernel cache of
+  :mod:`worker.nvcc` (same directory, same per-key lock), an explicit arch. The library
   therefore carries machine code, never CUDA source to JIT at load time.
 - The final link runs g++ in the sandbox. cudart comes after the objects (TVM's own helper puts
   options first, so an archive there is dropped). By default the library needs
@@ -22,8 +23,7 @@ from typing import Any
 
 from service.errors import CompileError
 from service.settings import Settings, get_settings
-from worker import sandbox
-from worker.codegen import COMMON_FLAGS, arch_number, run_nvcc
+from worker import nvcc, sandbox
 from worker.toolchain import Toolchain, find_toolchain, import_tvm
 
 import_tvm()
@@ -64,12 +64,10 @@ def _cuda_compile(code: str, *_: Any) -> bytearray:
     settings = _SETTINGS[-1] if _SETTINGS else get_settings()
     chain = find_toolchain(settings)
     arch = _ARCH[-1] if _ARCH else "sm_90"
-    n = arch_number(arch)
     flags = [
         "--fatbin",
         "-O3",
-        "-gencode",
-        f"arch=compute_{n},code=[sm_{n},compute_{n}]",
+        *nvcc.gencode(arch),
         "-U__CUDA_NO_HALF_OPERATORS__",
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",
@@ -82,27 +80,15 @@ def _cuda_compile(code: str, *_: Any) -> bytearray:
         # every negative x; it broke GPT-2's GELU on the H200
     ]
     key = hashlib.sha256(f"{code}\0{flags}\0{chain.nvcc_version}".encode()).hexdigest()
-    shard = settings.resolved_kernel_cache_dir() / "fatbins" / key[:2]
-    shard.mkdir(parents=True, exist_ok=True)
-    out = shard / f"{key}.fatbin"
-    if out.exists():
-        return bytearray(out.read_bytes())
-    src = shard / f"{key}.{os.getpid()}.cu"
-    src.write_text(code)
-    tmp = shard / f"{key}.{os.getpid()}.fatbin.tmp"
-    try:
-        run_nvcc(
-            [str(chain.nvcc), *flags, "-o", str(tmp), str(src)],
-            src,
-            tmp,
-            settings=settings,
-            chain=chain,
-            what="TVM's CUDA kernels",
-        )
-        os.replace(tmp, out)
-    finally:
-        src.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
+    out = nvcc.cache_entry(settings, "fatbins", key, ".fatbin")
+    nvcc.cached_build(
+        out,
+        code,
+        lambda src, tmp: [str(chain.nvcc), *flags, "-o", str(tmp), str(src)],
+        settings=settings,
+        chain=chain,
+        what="TVM's CUDA kernels",
+    )
     return bytearray(out.read_bytes())
 
 
@@ -266,4 +252,4 @@ def build_library(
     return out_path
 
 
-__all__ = ["COMMON_FLAGS", "build_library", "expand_kv_heads", "share_kernels"]
+__all__ = ["build_library", "expand_kv_heads", "share_kernels"]

@@ -1019,7 +1019,7 @@ def _leaks(ctx: relax.transform.PatternCheckContext) -> list[tuple[str, str]]:
 
 def _kernel_check(an: Analysis, arch: str, preference: str) -> None:
     """GQA/MQA runs only where a kernel for it exists (the Hopper kernel on sm_90)."""
-    from worker.codegen import kernel_gap
+    from worker.selection import kernel_gap
 
     spec = an.spec
     if spec is None:

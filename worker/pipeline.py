@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from service.errors import CompileError, StackfuseError
 from service.settings import Settings, get_settings
 from service.spec import CompileOptions, Target, toolchain_versions
+from worker.kernel_source import CompiledKernel
 from worker.report import KernelChoice, Library, Report, Summary, Validation
 
 #: progress(stage, fraction_done_overall 0..1, detail) -- detail is e.g. "kernel 2 of 3".
@@ -117,12 +120,13 @@ def compile_module(
             mod = load_module(payload, fmt, settings)
         from worker import (
             build,
-            codegen,
             gemm_partition,
             gemm_sm90,
             lift,
             normalize,
+            nvcc,
             partition,
+            selection,
             validate,
         )
 
@@ -152,7 +156,7 @@ def compile_module(
         say("codegen")
         with timed("codegen"):
             chosen = {
-                ff.gvar.name_hint: codegen.select_kernel(
+                ff.gvar.name_hint: selection.select_kernel(
                     ff.analysis.spec,  # type: ignore[arg-type]
                     target.arch,
                     options.kernel,
@@ -166,10 +170,10 @@ def compile_module(
                 }
             )
             unique = {ks.symbol: ks for ks, _ in chosen.values()}
-            compiled: dict[str, codegen.CompiledKernel] = {}
+            compiled: dict[str, CompiledKernel] = {}
             for i, ks in enumerate(unique.values()):
                 say("codegen", f"compile {i + 1} of {len(unique)} kernels", i / max(1, len(unique)))
-                compiled[ks.symbol] = codegen.compile_object(ks, settings=settings)
+                compiled[ks.symbol] = nvcc.compile_object(ks, settings=settings)
         for match, sm in zip(report.matches, result.fused, strict=True):
             ks, reason = chosen[sm.gvar.name_hint]
             ck = compiled[ks.symbol]
@@ -231,15 +235,7 @@ def compile_module(
         say("validate")
         with timed("validate"):
             report.validation = (
-                validate.maybe_validate(
-                    library,
-                    payload,
-                    fmt,
-                    target,
-                    options,
-                    settings,
-                    signature,
-                )
+                _validate(library, payload, fmt, target, options, settings, signature)
                 if options.validate_on_gpu != "never"
                 else Validation(
                     status="not_run", reason="validation disabled by options.validate_on_gpu"
@@ -262,3 +258,32 @@ def compile_module(
         raise err from exc
     say("done")
     return CompileResult(library=library, report_path=_write_report(report, out_dir), report=report)
+
+
+def _validate(
+    library: Path,
+    payload: bytes,
+    fmt: str,
+    target: Target,
+    options: CompileOptions,
+    settings: Settings,
+    params: list[dict[str, Any]],
+) -> Validation:
+    """Build the TVM-only reference of the same input and run it against ``library``, when
+    validation runs on this worker at all."""
+    from worker import validate
+
+    skipped = validate.not_run(options, settings)
+    if skipped is not None:
+        return skipped
+    with tempfile.TemporaryDirectory(prefix="stackfuse-ref-") as tmp:
+        ref_dir = Path(tmp)
+        ref = compile_module(
+            payload,
+            target=target,
+            options=validate.reference_options(options),
+            out_dir=ref_dir,
+            settings=settings,
+            fmt=fmt,
+        )
+        return validate.compare(library, ref.library, params, settings, ref_dir)

@@ -1,22 +1,23 @@
 """Run a built library once on the GPU against a reference, in a separate process.
 
 The reference is the same module compiled by TVM alone (no offload): an independent code path
-for attention (TVM's legalized softmax(QK^T)V) built from the same input. The child process
-gets no secrets (clean environment), a CPU-time and file-size limit and a wall-clock timeout;
-it loads both libraries, feeds both the same random inputs, and reports the largest error and
-each library's time. Without a GPU the report says so: nothing was validated.
+for attention (TVM's legalized softmax(QK^T)V) built from the same input. The pipeline builds
+it (with :func:`reference_options`) and hands it to :func:`compare`; this module compiles
+nothing. The child process gets no secrets (clean environment), a CPU-time and file-size limit
+and a wall-clock timeout; it loads both libraries, feeds both the same random inputs (weights
+through ``main_transform_params`` where the library lifted them), and reports the largest error
+and each library's time. Without a GPU the report says so: nothing was validated.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from service.settings import Settings
-from service.spec import CompileOptions, Target
+from service.spec import CompileOptions
 from worker import sandbox
 from worker.report import Validation
 from worker.toolchain import has_gpu
@@ -40,15 +41,22 @@ def signature(func: Any) -> list[dict[str, Any]]:
     return out
 
 
-def maybe_validate(
-    library: Path,
-    payload: bytes,
-    fmt: str,
-    target: Target,
-    options: CompileOptions,
-    settings: Settings,
-    params: list[dict[str, Any]],
-) -> Validation:
+def reference_options(options: CompileOptions) -> CompileOptions:
+    """The options the reference is compiled with: ``options`` with nothing offloaded (TVM
+    alone) and no validation of its own."""
+    return options.model_copy(
+        update={
+            "fuse_stacked": False,
+            "offload_plain": False,
+            "offload_gemm": False,
+            "validate_on_gpu": "never",
+        }
+    )
+
+
+def not_run(options: CompileOptions, settings: Settings) -> Validation | None:
+    """The report's validation when none will run here (disabled, or no GPU); None when it
+    will: the caller then builds the reference and calls :func:`compare`."""
     if options.validate_on_gpu == "never" or not settings.validate_on_gpu:
         return Validation(status="not_run", reason="validation disabled")
     if not has_gpu():
@@ -56,52 +64,50 @@ def maybe_validate(
             status="not_run",
             reason="no GPU on this worker: the library was built but not run",
         )
-    from worker.pipeline import compile_module
+    return None
 
-    with tempfile.TemporaryDirectory(prefix="stackfuse-ref-") as tmp:
-        ref_dir = Path(tmp)
-        ref_opts = options.model_copy(
-            update={
-                "fuse_stacked": False,
-                "offload_plain": False,
-                "offload_gemm": False,
-                "validate_on_gpu": "never",
-            }
+
+def compare(
+    library: Path,
+    reference: Path,
+    params: list[dict[str, Any]],
+    settings: Settings,
+    work_dir: Path,
+) -> Validation:
+    """Run ``library`` and the TVM-only ``reference`` (built with :func:`reference_options`)
+    on the same random inputs in a sandboxed child; ``params`` is :func:`signature` of the
+    module as the client holds it. The child's input and result files go to ``work_dir``."""
+    out = work_dir / "validation.json"
+    inputs = work_dir / "inputs.json"
+    inputs.write_text(json.dumps(params))
+    result = sandbox.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.validate",
+            str(library),
+            str(reference),
+            str(inputs),
+            str(out),
+        ],
+        limits=sandbox.Limits(
+            timeout_s=settings.validate_timeout_s,
+            cpu_s=settings.validate_cpu_s,
+            # CUDA reserves far more address space than it uses: limit data, not address space
+            memory_bytes=settings.validate_memory_bytes,
+            memory_kind="data",
+            file_bytes=64 * 1024 * 1024,
+        ),
+        env=sandbox.clean_env({"PYTHONPATH": ":".join(p for p in sys.path if p)}),
+        what="validation",
+    )
+    if result.returncode != 0 or not out.exists():
+        tail = result.output.strip().splitlines()[-1:] or ["no output"]
+        return Validation(
+            status="error",
+            reason=f"validation process failed (exit {result.returncode}): {tail[0][:300]}",
         )
-        ref = compile_module(
-            payload, target=target, options=ref_opts, out_dir=ref_dir, settings=settings, fmt=fmt
-        )
-        out = ref_dir / "validation.json"
-        inputs = ref_dir / "inputs.json"
-        inputs.write_text(json.dumps(params))
-        result = sandbox.run(
-            [
-                sys.executable,
-                "-m",
-                "worker.validate",
-                str(library),
-                str(ref.library),
-                str(inputs),
-                str(out),
-            ],
-            limits=sandbox.Limits(
-                timeout_s=settings.validate_timeout_s,
-                cpu_s=settings.validate_cpu_s,
-                # CUDA reserves far more address space than it uses: limit data, not address space
-                memory_bytes=settings.validate_memory_bytes,
-                memory_kind="data",
-                file_bytes=64 * 1024 * 1024,
-            ),
-            env=sandbox.clean_env({"PYTHONPATH": ":".join(p for p in sys.path if p)}),
-            what="validation",
-        )
-        if result.returncode != 0 or not out.exists():
-            tail = result.output.strip().splitlines()[-1:] or ["no output"]
-            return Validation(
-                status="error",
-                reason=f"validation process failed (exit {result.returncode}): {tail[0][:300]}",
-            )
-        return Validation(**json.loads(out.read_text()))
+    return Validation(**json.loads(out.read_text()))
 
 
 def _child(fused_path: str, ref_path: str, inputs_path: str, out_path: str) -> None:

@@ -27,7 +27,7 @@ from service.errors import (
     StackfuseError,
 )
 from tests.hostile import hostile_kit as hk
-from worker import ingest, sandbox
+from worker import ingest, sandbox, tvmscript_allowlist
 
 
 @dataclass(frozen=True)
@@ -756,7 +756,7 @@ def _stop(case: Case, payload: str | bytes, settings: Any) -> Callable[[], objec
         return lambda: wire.check_module_json(payload, settings)
     if case.layer == "script":
         text = payload if isinstance(payload, str) else payload.decode()
-        return lambda: ingest.validate_tvmscript(text, settings)
+        return lambda: tvmscript_allowlist.validate_tvmscript(text, settings)
     return lambda: ingest.load_module(payload, case.fmt, settings)
 
 

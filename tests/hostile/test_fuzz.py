@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from service import wire
 from service.errors import StackfuseError
 from tests.hostile import hostile_kit as hk
-from worker import ingest
+from worker import tvmscript_allowlist
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = int(os.environ.get("STACKFUSE_FUZZ_EXAMPLES", "0"))
@@ -253,7 +253,7 @@ def test_tvm_survives_what_the_wire_check_accepts(payload: bytes, tvm_child: TVM
 @given(payload=mutated_script())
 def test_tvmscript_ingest_raises_only_stackfuse_errors(payload: bytes, tvm_child: TVMChild) -> None:
     try:
-        ingest.validate_tvmscript(payload.decode(), hk.settings())
+        tvmscript_allowlist.validate_tvmscript(payload.decode(), hk.settings())
     except StackfuseError:
         assert not SENTINEL.exists()
         return

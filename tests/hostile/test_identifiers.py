@@ -104,12 +104,12 @@ def test_hostile_names_reach_no_generated_source(tmp_path: Path, path: str) -> N
 def test_cutlass_codegen_emits_no_client_names() -> None:
     """Our own codegen, given the hostile module straight (no renaming): its kernel source is
     made of numbers and our own symbols only."""
-    from worker import codegen, partition
+    from worker import partition, selection
 
     mod = hk.stacked_attention(**HOSTILE)  # type: ignore[arg-type]
     result = partition.partition(mod, CompileOptions())
     assert result.fused, "the stacked attention should be fused"
     for fused in result.fused:
-        ks, _ = codegen.select_kernel(fused.analysis.spec, "sm_90", "auto")  # type: ignore[arg-type]
+        ks, _ = selection.select_kernel(fused.analysis.spec, "sm_90", "auto")  # type: ignore[arg-type]
         assert MARK not in ks.source and "passwd" not in ks.source
         assert ks.symbol.isidentifier() and MARK not in ks.symbol

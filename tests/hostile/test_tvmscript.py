@@ -10,7 +10,7 @@ import pytest
 
 from service.errors import ForbiddenConstruct, ForbiddenScript
 from tests.hostile import hostile_kit as hk
-from worker import ingest
+from worker import ingest, tvmscript_allowlist
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def test_printed_modules_round_trip(name: str) -> None:
     tvm = hk.tvm()
     mod = _printed_modules()[name]
     text = mod.script()  # type: ignore[attr-defined]
-    assert ingest.validate_tvmscript(text, hk.settings()) == text
+    assert tvmscript_allowlist.validate_tvmscript(text, hk.settings()) == text
     back = ingest.load_module(text, "tvmscript", hk.settings())
     tvm.ir.assert_structural_equal(back, mod)
 
@@ -46,7 +46,7 @@ def test_imports_of_the_script_modules_are_accepted_and_blanked() -> None:
         "from tvm.script import ir as I\nfrom tvm.script import relax as R\n"
         "from tvm.script import tirx as T\n" + hk.SCRIPT_MODULE
     )
-    checked = ingest.validate_tvmscript(text, hk.settings())
+    checked = tvmscript_allowlist.validate_tvmscript(text, hk.settings())
     assert checked.splitlines()[:3] == ["", "", ""]
     assert checked.count("\n") == text.count("\n")  # line numbers in errors stay right
     ingest.load_module(text, "tvmscript", hk.settings())
@@ -65,7 +65,7 @@ def test_imports_of_the_script_modules_are_accepted_and_blanked() -> None:
 )
 def test_other_imports_are_refused(line: str) -> None:
     with pytest.raises(ForbiddenScript):
-        ingest.validate_tvmscript(line + "\n" + hk.SCRIPT_MODULE, hk.settings())
+        tvmscript_allowlist.validate_tvmscript(line + "\n" + hk.SCRIPT_MODULE, hk.settings())
 
 
 def test_constructs_of_real_programs_are_accepted() -> None:
@@ -88,7 +88,7 @@ class Module:
             R.output(e)
         return e
 '''
-    ingest.validate_tvmscript(text, hk.settings())
+    tvmscript_allowlist.validate_tvmscript(text, hk.settings())
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ class Module:
         return x
 """
     with pytest.raises(ForbiddenScript) as info:
-        ingest.validate_tvmscript(text, hk.settings())
+        tvmscript_allowlist.validate_tvmscript(text, hk.settings())
     assert why in info.value.message, info.value.message
     assert info.value.detail["line"] is not None
     assert isinstance(info.value, ForbiddenConstruct) and info.value.type == "forbidden-script"
@@ -163,7 +163,7 @@ class Module:
         return x
 """
     for ok in ('"n"', '"n * 2 + 1"', '"n // 4"', "8"):
-        ingest.validate_tvmscript(base.replace("DIM", ok), hk.settings())
+        tvmscript_allowlist.validate_tvmscript(base.replace("DIM", ok), hk.settings())
     for bad in (
         '"n.real"',
         '"f(n)"',
@@ -176,19 +176,19 @@ class Module:
         '"x" * 300',
     ):
         with pytest.raises(ForbiddenScript):
-            ingest.validate_tvmscript(base.replace("DIM", bad), hk.settings())
+            tvmscript_allowlist.validate_tvmscript(base.replace("DIM", bad), hk.settings())
 
 
 def test_two_modules_or_none_are_refused() -> None:
     with pytest.raises(ForbiddenScript):
-        ingest.validate_tvmscript(hk.SCRIPT_MODULE + hk.SCRIPT_MODULE, hk.settings())
+        tvmscript_allowlist.validate_tvmscript(hk.SCRIPT_MODULE + hk.SCRIPT_MODULE, hk.settings())
     with pytest.raises(ForbiddenScript):
-        ingest.validate_tvmscript("", hk.settings())
+        tvmscript_allowlist.validate_tvmscript("", hk.settings())
 
 
 def test_the_validator_needs_no_tvm() -> None:
     code = (
-        "import sys\nfrom worker.ingest import validate_tvmscript\n"
+        "import sys\nfrom worker.tvmscript_allowlist import validate_tvmscript\n"
         "from tests.hostile.hostile_kit import SCRIPT_MODULE\n"
         "validate_tvmscript(SCRIPT_MODULE)\n"
         "assert 'tvm' not in sys.modules and 'tvm_ffi' not in sys.modules\n"

@@ -13,7 +13,7 @@ import pytest
 from service import wire, wire_schema
 from service.errors import InputError, LimitExceeded
 from tests.hostile import hostile_kit as hk
-from worker import ingest
+from worker import ingest, wire_schema_gen
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,8 +124,8 @@ def test_every_allowed_op_is_one_tvm_lowers() -> None:
 
 def test_wire_schema_is_generated_from_this_tvm() -> None:
     """service/wire_schema.py matches TVM's reflection; regenerate with
-    `python -m worker.ingest --write-wire-schema` when this fails."""
-    assert ingest.render_wire_schema() == Path(wire_schema.__file__).read_text()
+    `python -m worker.wire_schema_gen --write-wire-schema` when this fails."""
+    assert wire_schema_gen.render_wire_schema() == Path(wire_schema.__file__).read_text()
 
 
 def test_wire_imports_no_tvm(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,9 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "fused_stacked": 1,
         "fused_plain": 0,
         "not_offloaded": 0,
+        "gemm_sites": 0,
+        "gemm_offloaded": 0,
+        "gemm_configurations": 0,
     }
     assert set(doc["timings"]) >= {"ingest", "partition", "codegen", "build"}
     lib = (tmp_path / LIBRARY_NAME).read_bytes()
@@ -76,6 +80,7 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "sha256": hashlib.sha256(lib).hexdigest(),
         "size_bytes": len(lib),
         "file": "model.so",
+        "calling_convention": "main(*inputs, *params)",  # no weights to lift
     }
     assert doc["validation"]["status"] == "not_run"
     assert "no GPU" in doc["validation"]["reason"]
@@ -166,3 +171,58 @@ def test_only_entry_points_are_exported(kernel_settings: Settings, tmp_path: Pat
     assert f"__tvm_ffi_{res.report.matches[0].kernel.symbol}" in nm  # type: ignore[union-attr]
     for leaked in ("cutlass", "AttentionKernel", "device_kernel", "attention_kernel_batched"):
         assert leaked not in nm
+
+
+def test_validation_compares_with_a_tvm_only_reference_the_pipeline_builds(
+    kernel_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a GPU, the pipeline compiles the same input again with validate.reference_options
+    (nothing offloaded) and hands both libraries and the input signature to validate.compare."""
+    from worker import validate
+    from worker.report import Validation
+
+    seen: list[dict[str, Any]] = []
+
+    def compare(
+        library: Path,
+        reference: Path,
+        params: list[dict[str, object]],
+        settings: Settings,
+        work: Path,
+    ) -> Validation:
+        seen.append(
+            {
+                "library": library,
+                "reference_exists": reference.exists(),
+                "reference_report": json.loads((reference.parent / REPORT_NAME).read_text()),
+                "params": params,
+                "work": work,
+            }
+        )
+        return Validation(status="passed", reason="checked by the test")
+
+    monkeypatch.setattr(validate, "has_gpu", lambda: True)
+    monkeypatch.setattr(validate, "compare", compare)
+    mod = stacked_attention_module(4, 8, 32, 64, 32)
+    res = build(mod, kernel_settings, tmp_path / "out")
+    assert res.report.validation.status == "passed"
+    (call,) = seen
+    assert call["library"] == tmp_path / "out" / LIBRARY_NAME and call["reference_exists"]
+    ref = call["reference_report"]
+    assert ref["summary"]["attention_sites"] == 1 and ref["summary"]["not_offloaded"] == 1
+    assert ref["validation"]["status"] == "not_run"
+    assert call["params"] == validate.signature(mod["main"])
+    assert call["params"] == [{"shape": [4, 8, 5120], "dtype": "float16", "weight": False}]
+    assert not Path(call["work"]).exists()  # a temporary directory
+    assert validate.reference_options(CompileOptions()).model_dump() == {
+        **CompileOptions().model_dump(),
+        "fuse_stacked": False,
+        "offload_plain": False,
+        "offload_gemm": False,
+        "validate_on_gpu": "never",
+    }
+
+    # disabled by the worker's settings: no reference is built
+    off = kernel_settings.model_copy(update={"validate_on_gpu": False})
+    res = build(mod, off, tmp_path / "off")
+    assert res.report.validation.status == "not_run" and len(seen) == 1

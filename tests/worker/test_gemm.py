@@ -349,7 +349,7 @@ def test_modules_without_weights_keep_their_calling_convention() -> None:
 @pytest.mark.nvcc
 @pytest.mark.slow
 def test_one_gemm_configuration_and_its_glue_compile() -> None:
-    from worker.codegen import compile_object
+    from worker.nvcc import compile_object
 
     spec = weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True)
     ks, reason = gemm_sm90.select_kernel(spec, "sm_90")

@@ -16,7 +16,7 @@ import pytest
 
 from worker import hopper
 from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
-from worker.codegen import COMMON_FLAGS, compile_object, include_flags, nvcc_argv
+from worker.nvcc import COMMON_FLAGS, compile_object, include_flags, nvcc_argv
 from worker.toolchain import find_toolchain
 
 
@@ -655,7 +655,7 @@ def test_pipelined_short_kernel_keeps_its_wgmma_asynchronous(tmp_path: Path) -> 
     src, obj = tmp_path / "cfg.cu", tmp_path / "cfg.o"
     src.write_text(ks.source)
     done = subprocess.run(
-        nvcc_argv(ks, chain, src, obj, "-Xptxas=-v"),
+        nvcc_argv(ks, chain, src, obj, "-Xptxas=-v", warnings=True),
         check=True,
         capture_output=True,
         text=True,

@@ -11,7 +11,7 @@ from tvm.script.ir_builder import relax as rb
 
 from service.spec import CompileOptions
 from tests.models import R, T, tvm
-from worker.codegen import render_sm80
+from worker.fmha_sm80 import render_sm80
 from worker.partition import PATTERN_ORDER, PATTERNS, partition
 
 OPTS = CompileOptions()
