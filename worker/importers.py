@@ -245,10 +245,17 @@ def fold_input_free(mod: Any) -> tuple[Any, int]:
     exe = tvm.compile(fold, target="llvm")
     vm = relax.VirtualMachine(exe, tvm.cpu())
     results = vm["main"]()
-    values = {
-        v: relax.const(results[i].numpy(), str(v.ty.dtype).removeprefix("T."))
-        for i, v in enumerate(frontier)
-    }
+    # one constant per distinct value: exporters rebuild the same mask for every layer, and
+    # the JSON stores a constant once per object (GPT-2 small at S1024: twelve 16 MiB masks)
+    distinct: dict[tuple[str, tuple[int, ...], str], Any] = {}
+    values = {}
+    for i, v in enumerate(frontier):
+        arr = results[i].numpy()
+        dtype = str(v.ty.dtype).removeprefix("T.")
+        key = (dtype, arr.shape, hashlib.sha256(arr.tobytes()).hexdigest())
+        if key not in distinct:
+            distinct[key] = relax.const(arr, dtype)
+        values[v] = distinct[key]
 
     @relax.expr_functor.mutator
     class _Bind(relax.PyExprMutator):

@@ -163,3 +163,46 @@ def test_onnx_external_data_inside_the_folder_loads(tmp_path: Path) -> None:
     imported = import_any(path)
     (w,) = imported.params.values()
     np.testing.assert_array_equal(w, np.eye(4, dtype="float32"))
+
+
+def test_equal_input_free_values_fold_to_one_constant() -> None:
+    """Exporters rebuild the same mask per layer; folded, the JSON must hold it once."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import relax as rb
+    from tvm.script.parser import relax as R
+
+    from worker.importers import fold_input_free
+
+    relax = tvm.relax
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((64, 64), "float32"))
+        with R.dataflow() as frame:
+            outs = x
+            for _ in range(3):  # the same input-free chain, three times
+                ramp = R.emit(R.arange(0, 64, 1, "float32"))
+                row = R.emit(R.reshape(ramp, (1, 64)))
+                outs = R.emit(R.add(outs, R.broadcast_to(row, (64, 64))))
+            other = R.emit(R.arange(1, 65, 1, "float32"))  # a different value stays its own
+            out = R.emit(R.add(outs, R.reshape(other, (1, 64))))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    folded, n = fold_input_free(mod)
+    assert n >= 4
+    const_type = type(relax.const(0.0))
+    consts: list[Any] = []
+    relax.analysis.post_order_visit(
+        folded["main"], lambda e: consts.append(e) if isinstance(e, const_type) else None
+    )
+    assert len(consts) >= 2 and len({c.value.numpy().tobytes() for c in consts}) == 2
+    # one stored tensor per distinct value, however many uses
+    assert tvm.ir.save_json(folded).count('"ffi.Tensor"') == 2
+    x_np = np.random.default_rng(0).standard_normal((64, 64)).astype("float32")
+    dev = tvm.cpu()
+
+    def run(m: Any) -> np.ndarray:
+        vm = relax.VirtualMachine(tvm.compile(m, target="llvm"), dev)
+        return vm["main"](tvm.runtime.tensor(x_np, dev)).numpy()
+
+    np.testing.assert_allclose(run(folded), run(mod), rtol=1e-6)
