@@ -29,6 +29,7 @@ from worker.partition import (
     dim_label,
     dim_value,
     dtype_of,
+    fuse_patterns,
     name_of,
     shape_of,
     site_of,
@@ -419,7 +420,8 @@ def partition_gemms(mod: tvm.IRModule, options: CompileOptions, arch: str) -> Ge
         return GemmPartition(mod, sites, [], entries, {})
 
     failures: dict[str, dict[tuple[str, str], GemmCheckFailure]] = {}
-    accepted: dict[str, tuple[str, list[str], dict[str, list[int | str]]]] = {}
+    #: site -> (bindings it replaced, operand shapes) of the pattern that took it
+    accepted: dict[str, tuple[list[str], dict[str, list[int | str]]]] = {}
     shapes_seen: dict[str, dict[str, list[int | str]]] = {}
 
     def make_check(pdef: GemmPatternDef) -> Callable[[Any], bool]:
@@ -449,29 +451,14 @@ def partition_gemms(mod: tvm.IRModule, options: CompileOptions, arch: str) -> Ge
                     ),
                 )
             if not an.failures:
-                accepted[sid] = (
-                    pdef.name,
-                    sorted(name_of(v) for v in ctx.matched_bindings),
-                    an.shapes,
-                )
+                accepted[sid] = (sorted(name_of(v) for v in ctx.matched_bindings), an.shapes)
             return not an.failures
 
         return check
 
-    pats = [
-        relax.transform.FusionPattern(
-            n, GEMM_PATTERNS[n].pattern, GEMM_PATTERNS[n].annotations, make_check(GEMM_PATTERNS[n])
-        )
-        for n in GEMM_PATTERN_ORDER
-    ]
-    fused_mod = relax.transform.FuseOpsByPattern(pats, bind_constants=False, annotate_codegen=True)(
-        mod
+    fused_mod, functions = fuse_patterns(
+        mod, [GEMM_PATTERNS[n] for n in GEMM_PATTERN_ORDER], make_check, _fused_gemm
     )
-    functions = {
-        ff.gvar: ff
-        for ff in (_fused_gemm(gv, f) for gv, f in fused_mod.functions.items())
-        if ff is not None
-    }
     by_site = dict(_sites_of_calls(fused_mod, sites, functions, _is_matmul, GEMM_PREFIX))
     entries = []
     for sid in sorted(sites, key=int):
@@ -479,7 +466,7 @@ def partition_gemms(mod: tvm.IRModule, options: CompileOptions, arch: str) -> Ge
         ff = by_site.get(sid)
         if ff is not None:
             spec = ff.spec
-            _, bindings, shapes = accepted.get(sid, (ff.pattern.name, [], ff.analysis.shapes))
+            bindings, shapes = accepted.get(sid, ([], ff.analysis.shapes))
             entries.append(
                 GemmSite(
                     where=site.where,

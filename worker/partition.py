@@ -1072,20 +1072,9 @@ def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -
 
         return check
 
-    pats = [
-        relax.transform.FusionPattern(
-            n, PATTERNS[n].pattern, PATTERNS[n].annotations, make_check(PATTERNS[n])
-        )
-        for n in order
-    ]
-    fused_mod = relax.transform.FuseOpsByPattern(pats, bind_constants=False, annotate_codegen=True)(
-        mod
+    fused_mod, functions = fuse_patterns(
+        mod, [PATTERNS[n] for n in order], make_check, _fused_function
     )
-    functions = {
-        ff.gvar: ff
-        for ff in (_fused_function(gv, f) for gv, f in fused_mod.functions.items())
-        if ff is not None
-    }
     matches = [
         SiteMatch(sid, ff, covered.get((sid, ff.pattern.name), []))
         for sid, ff in _sites_of_calls(fused_mod, sites, functions)
@@ -1094,6 +1083,29 @@ def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -
     return PartitionResult(
         fused_mod, sites, list(functions.values()), matches, list(failures.values())
     )
+
+
+def fuse_patterns(
+    mod: tvm.IRModule,
+    defs: list[Any],
+    make_check: Callable[[Any], Callable[[Any], bool]],
+    fused_of: Callable[[ir.GlobalVar, Any], Fused | None],
+) -> tuple[tvm.IRModule, dict[ir.GlobalVar, Fused]]:
+    """Run FuseOpsByPattern with ``defs`` (each with ``name``, ``pattern`` and
+    ``annotations``), in order, each guarded by ``make_check(def)``; then read every fused
+    function back with ``fused_of`` (None: not one of ours). Attention and GEMMs share it."""
+    pats = [
+        relax.transform.FusionPattern(d.name, d.pattern, d.annotations, make_check(d)) for d in defs
+    ]
+    fused_mod = relax.transform.FuseOpsByPattern(pats, bind_constants=False, annotate_codegen=True)(
+        mod
+    )
+    functions = {}
+    for gv, f in fused_mod.functions.items():
+        ff = fused_of(gv, f)
+        if ff is not None:
+            functions[gv] = ff
+    return fused_mod, functions
 
 
 def _sites_of_calls(
