@@ -103,7 +103,6 @@ def build(
 
     from service.settings import get_settings
     from worker import gemm_sm90
-    from worker.gemm import weight_spec
     from worker.kernel_source import KernelSource
     from worker.nvcc import compile_object, nvcc_argv
     from worker.toolchain import find_toolchain
@@ -111,7 +110,8 @@ def build(
     settings = get_settings()
     chain = find_toolchain(settings)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ways = []
+    #: (symbol, tile name) -> the way: swizzled tiles share their base tile's configuration
+    ways: dict[tuple[str, str], dict[str, Any]] = {}
     units: dict[str, KernelSource] = {}
     if tiles == ["selected"]:  # the tiles the selector picks for the shapes ``run`` times
         tiles = sorted(
@@ -138,26 +138,15 @@ def build(
             for dtype in dtypes
             for kmajor in (True, False)
             for act in acts
-            # C is the residual, which takes no activation (the patterns' last step)
-            for has_c in [c for c in source_c if not c or act == "none"]
+            for has_c in source_c
+            if (act, has_c) in gemm_sm90.EPILOGUE_VARIANTS
             for name in tiles or list(gemm_sm90.TILES)
         ]
     for dtype, kmajor, act, has_c, name in combos:
-        spec = weight_spec(
-            dtype=dtype,  # type: ignore[arg-type]
-            m=4096,
-            n=1024,
-            k=1024,
-            b_kmajor=kmajor,
-            activation=act,  # type: ignore[arg-type]
-            residual=has_c,
-        )
-        tile = gemm_sm90.TILES[name]
-        ks = gemm_sm90.render_config(spec, tile)
-        if ks.symbol in units and any(w["symbol"] == ks.symbol and w["tile"] == name for w in ways):
-            continue
+        ks = gemm_sm90.render_configuration(dtype, name, kmajor, act, has_c)
         units.setdefault(ks.symbol, ks)
-        ways.append(
+        ways.setdefault(
+            (ks.symbol, name),
             {
                 "symbol": ks.symbol,
                 "tile": name,
@@ -165,8 +154,8 @@ def build(
                 "b_kmajor": kmajor,
                 "activation": act,
                 "source_c": has_c,
-                "swizzle": tile.swizzle,
-            }
+                "swizzle": gemm_sm90.TILES[name].swizzle,
+            },
         )
     decls = "\n".join(f"Status {sym}(Problem const&, cudaStream_t, cudaError_t*);" for sym in units)
     entries = "\n".join(
@@ -207,7 +196,7 @@ static int call(LaunchFn fn, const void* a, const void* b, const void* c, const 
         family="bench",
         flags=(gemm_sm90.GENCODE, f"-I{gemm_sm90.KERNELS_DIR}"),
     )
-    (out_dir / "manifest.json").write_text(json.dumps({"configs": ways}, indent=2))
+    (out_dir / "manifest.json").write_text(json.dumps({"configs": list(ways.values())}, indent=2))
     lib = out_dir / "libgemm_bench.so"
     if emit:
         src_dir = out_dir / "src"

@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from worker.gemm import GemmSpec
+from worker.gemm import ACTIVATIONS, GemmSpec, weight_spec
 from worker.kernel_source import KernelSource
 
 FAMILY = "cutlass_gemm_sm90"
@@ -275,29 +275,42 @@ def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
     return ks, reason
 
 
+#: (activation, reads C) of every configuration a pattern can need: each activation without C,
+#: and C (the residual) without an activation
+EPILOGUE_VARIANTS: tuple[tuple[str, bool], ...] = (
+    *((act, False) for act in ACTIVATIONS),
+    ("none", True),
+)
+
+
+def render_configuration(
+    dtype: str, tile: str, b_kmajor: bool, activation: str, residual: bool
+) -> KernelSource:
+    """:func:`render_config` without a site: the configuration is the same for every M, N and K,
+    so any shape stands in (prebuild and the GEMM benchmark)."""
+    spec = weight_spec(
+        dtype=dtype,  # type: ignore[arg-type]
+        m=4096,
+        n=1024,
+        k=1024,
+        b_kmajor=b_kmajor,
+        activation=activation,  # type: ignore[arg-type]
+        residual=residual,
+    )
+    return render_config(spec, TILES[tile])
+
+
 def selected_configs(dtypes: tuple[str, ...] = ("float16", "bfloat16")) -> list[KernelSource]:
     """Every configuration the selection can pick, one per C++ type: each selected tile, for
-    both weight layouts, with each activation (no C) and with a residual (C, no activation).
-    What ``stackfuse prebuild`` compiles beside the attention configurations."""
-    from worker.gemm import ACTIVATIONS, weight_spec
+    both weight layouts, with each of EPILOGUE_VARIANTS. What ``stackfuse prebuild`` compiles
+    beside the attention configurations."""
     from worker.gemm_selection import SELECTION
 
     out: dict[str, KernelSource] = {}
     for name in sorted({tile for tile, _ in SELECTION.values()}):
         for dtype in dtypes:
             for kmajor in (True, False):
-                epilogues = [(act, False) for act in ACTIVATIONS] + [("none", True)]
-                for act, residual in epilogues:
-                    spec = weight_spec(
-                        dtype=dtype,  # type: ignore[arg-type]
-                        m=4096,
-                        n=1024,
-                        k=1024,
-                        b_kmajor=kmajor,
-                        activation=act,
-                        bias=True,
-                        residual=residual,
-                    )
-                    ks = render_config(spec, TILES[name])
+                for act, residual in EPILOGUE_VARIANTS:
+                    ks = render_configuration(dtype, name, kmajor, act, residual)
                     out.setdefault(ks.symbol, ks)
     return list(out.values())
