@@ -294,7 +294,7 @@ def test_tvm_fatbins_share_the_cache_and_its_lock(
     with ThreadPoolExecutor(max_workers=3) as pool:
         outs = list(pool.map(lambda _: build._cuda_compile(code), range(3)))
     assert len(fake_nvcc.calls) == 1 and outs == [bytearray(b"object of " + code.encode())] * 3
-    # the key build.py computed before the split (fatbins cached then are still hits)
+    # the fatbin key formula, pinned: fatbins already in a cache stay hits
     key = "6373705ae65f9ae8180ce3d56bbd15ca3ca4d3ef7c35607c7e2a477c308cb03c"
     shard = cache_settings.kernel_cache_dir / "fatbins" / key[:2]  # type: ignore[operator]
     assert sorted(p.name for p in shard.iterdir()) == [f"{key}.fatbin", f"{key}.lock"]
