@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: (name, M, N, K): the models of benchmarks/whole_model.py, then an untuned grid
+#: (name, M, N, K): the models of benchmarks/models_gpu.py, then an untuned grid
 MODEL_SHAPES: list[tuple[str, int, int, int]] = [
     ("gpt2_qkv", 8192, 2304, 768),
     ("gpt2_proj", 8192, 768, 768),
@@ -43,6 +43,7 @@ MODEL_SHAPES: list[tuple[str, int, int, int]] = [
     ("llama_q", 2048, 2048, 2048),
     ("llama_kv", 2048, 512, 2048),
     ("llama_o", 2048, 2048, 2048),
+    ("llama_gate", 2048, 5632, 2048),
     ("llama_up", 2048, 5632, 2048),
     ("llama_down", 2048, 2048, 5632),
 ]
@@ -61,6 +62,8 @@ EPILOGUES: dict[str, tuple[str, bool, bool]] = {
     "bias_gelu": ("gelu", True, False),
     "residual": ("none", False, True),
     "silu": ("silu", False, False),
+    # SwiGLU's up projection: silu(C) * (A @ B), C the gate projection's output
+    "silu_gate": ("silu_gate", False, True),
 }
 #: ``--epilogues as-used``: each model GEMM with the weight layout and epilogue its library
 #: runs (GPT-2's Conv1D weights and BERT's concatenated QKV are [K, N]; nn.Linear's [N, K])
@@ -76,7 +79,8 @@ AS_USED: dict[str, tuple[str, str]] = {
     "llama_q": ("k_major", "none"),
     "llama_kv": ("k_major", "none"),
     "llama_o": ("k_major", "residual"),
-    "llama_up": ("k_major", "none"),  # its SiLU is not fused (the report says so per site)
+    "llama_gate": ("k_major", "none"),
+    "llama_up": ("k_major", "silu_gate"),
     "llama_down": ("k_major", "residual"),
 }
 CALLS = 20
@@ -310,6 +314,8 @@ def _peer(epi: str, kmajor: bool, a: Any, w: Any, bias: Any, res: Any) -> Any:
         return lambda: torch.addmm(res, a, wt)
     if epi == "silu":
         return lambda: F.silu(torch.matmul(a, wt))
+    if epi == "silu_gate":
+        return lambda: F.silu(res) * torch.matmul(a, wt)
     return lambda: torch.matmul(a, wt)
 
 
@@ -363,7 +369,9 @@ def run(
                     ref = F.gelu(ref)
                 elif act == "silu":
                     ref = F.silu(ref)
-                if use_res:
+                if act == "silu_gate":
+                    ref = F.silu(res.float()) * ref
+                elif use_res:
                     ref = ref + res.float()
                 for kmajor in [AS_USED[name][0] == "k_major"] if as_used else [True, False]:
                     w = w_nk if kmajor else w_kn

@@ -4,10 +4,11 @@
 a kernel from it; the report shows it. Numbers and enum tokens only: nothing the client named
 reaches generated source through it. No TVM import.
 
-The computation is ``out = act(A @ B + bias) `` or ``out = A @ B + bias + residual``, with A
+The computation is ``out = act(A @ B + bias)``, ``out = A @ B + bias + residual`` or, for a gated
+unit (SwiGLU), ``out = silu(gate) * (A @ B)``, with A
 ``[..., M, K]`` (leading dims folded into M when B is a 2-D weight), B ``[K, N]`` as stored or
 ``[N, K]`` read transposed (a ``permute_dims`` folded into the layout, never copied), bias
-``[N]`` and the residual shaped like the output. Accumulation is float32.
+``[N]``, and the residual or gate shaped like the output. Accumulation is float32.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class GemmSpec:
     """One GEMM site. ``m`` is ``"?"`` when read at run time (a symbolic batch or sequence);
     ``batch`` is the L of a batched matmul (both operands batched), 1 otherwise.
 
-    ``a``, ``b``, ``bias`` and ``residual`` index the kernel's arguments (-1: absent);
+    ``a``, ``b``, ``bias``, ``residual`` and ``gate`` index the kernel's arguments (-1: absent;
+    a residual and a gate never both);
     ``operand_shapes`` has one entry per argument before the output: a tensor's shape, or None
     for a non-tensor argument TVM passes along (a symbolic reshape target).
     """
@@ -54,6 +56,7 @@ class GemmSpec:
     b: int
     bias: int = -1
     residual: int = -1
+    gate: int = -1
     batch: int | str = 1
     batched: bool = False
     num_operands: int = 2
@@ -68,6 +71,15 @@ class GemmSpec:
     def has_residual(self) -> bool:
         return self.residual >= 0
 
+    @property
+    def has_gate(self) -> bool:
+        return self.gate >= 0
+
+    @property
+    def c_operand(self) -> int:
+        """The argument the kernel reads as C: the residual or the gate (-1: none)."""
+        return self.residual if self.has_residual else self.gate
+
     def epilogue(self) -> list[str]:
         """What the epilogue fuses, in order: e.g. ``["bias", "gelu_tanh"]``."""
         out = []
@@ -77,6 +89,8 @@ class GemmSpec:
             out.append(self.activation)
         if self.has_residual:
             out.append("residual")
+        if self.has_gate:
+            out.append("silu_gate")
         return out
 
     def flops(self, m: int | None = None) -> int:
@@ -99,16 +113,20 @@ def weight_spec(
     activation: Activation = "none",
     bias: bool = False,
     residual: bool = False,
+    gate: bool = False,
 ) -> GemmSpec:
-    """A ``[M, K] x weight`` spec with operands in order (a, b, bias?, residual?): for
+    """A ``[M, K] x weight`` spec with operands in order (a, b, bias?, residual? | gate?): for
     benchmarks and tests that drive a kernel without a module."""
     shapes: list[tuple[int | str, ...]] = [(m, k), (n, k) if b_kmajor else (k, n)]
-    idx_bias = idx_res = -1
+    idx_bias = idx_res = idx_gate = -1
     if bias:
         idx_bias = len(shapes)
         shapes.append((n,))
     if residual:
         idx_res = len(shapes)
+        shapes.append((m, n))
+    if gate:
+        idx_gate = len(shapes)
         shapes.append((m, n))
     return GemmSpec(
         dtype=dtype,
@@ -121,6 +139,7 @@ def weight_spec(
         b=1,
         bias=idx_bias,
         residual=idx_res,
+        gate=idx_gate,
         num_operands=len(shapes),
         operand_shapes=tuple(shapes),
         out_shape=(m, n),

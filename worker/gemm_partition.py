@@ -5,7 +5,9 @@ Every ``R.matmul`` call in the module is a *GEMM site*. The patterns are a table
 ``permute_dims`` (read transposed, never copied), then what models put after it: the ``astype``
 TVM's importers insert after a float32-accumulating matmul, ``+ bias``, a ``reshape`` of the
 rows back to ``[batch, seq, N]``, an activation (ReLU, GELU in its erf and tanh forms, SiLU),
-or ``+ residual``. Longer chains are tried first so the epilogue fuses as much as it can.
+``+ residual``, or the product with the SiLU of a gate tensor (SwiGLU's ``act(gate) * up``, the
+SiLU possibly between casts to float32 and back, as transformers' Llama writes it). Longer
+chains are tried first so the epilogue fuses as much as it can.
 
 Each check names what it expected and what it found; a site no pattern takes stays in TVM with
 those reasons in the report.
@@ -60,11 +62,35 @@ class GemmPatternDef:
     residual: bool
     pattern: DFPattern
     annotations: dict[str, DFPattern]
+    #: ``silu(gate) * out``: the gate's own chain (a reshape, casts around the SiLU)
+    gate: bool = False
+    gate_reshape: bool = False
+    gate_cast: bool = False
+
+
+def _gate_chain(ann: dict[str, DFPattern], reshape: bool, cast: bool) -> DFPattern:
+    y = ann["gate"] = wildcard()
+    if reshape:
+        y = ann["gate_reshape"] = is_op("relax.reshape")(y, wildcard())
+    if cast:
+        y = ann["gate_up"] = is_op("relax.astype")(y)
+    y = ann["gate_silu"] = is_op("relax.nn.silu")(y)
+    if cast:
+        y = ann["gate_down"] = is_op("relax.astype")(y)
+    return y
 
 
 def _make(
-    transposed: bool, cast: bool, bias: bool, reshape: bool, activation: str, residual: bool
+    transposed: bool,
+    cast: bool,
+    bias: bool,
+    reshape: bool,
+    activation: str,
+    residual: bool,
+    gate: tuple[bool, bool] | None = None,
 ) -> GemmPatternDef:
+    """One pattern; ``gate`` = (the gate is reshaped, the SiLU sits between casts) makes it a
+    gated unit (no bias, activation or residual then)."""
     ann: dict[str, DFPattern] = {"a": wildcard(), "weight": wildcard()}
     b = ann["weight"]
     if transposed:
@@ -82,6 +108,8 @@ def _make(
     if residual:
         ann["residual"] = wildcard()
         x = ann["residual_add"] = is_op("relax.add")(x, ann["residual"])
+    if gate is not None:
+        x = ann["gate_mul"] = is_op("relax.multiply")(_gate_chain(ann, *gate), x)
     ann["root"] = x
     parts = [
         "t" if transposed else "n",
@@ -90,9 +118,27 @@ def _make(
         *(["reshape"] if reshape else []),
         *([activation] if activation != "none" else []),
         *(["residual"] if residual else []),
+        *(["silu_gate"] if gate is not None else []),
     ]
     name = f"{PATTERN_PREFIX}.{'_'.join(parts)}"
-    return GemmPatternDef(name, transposed, cast, bias, reshape, activation, residual, x, ann)
+    if gate is not None:
+        name += "." + "_".join(
+            ["gate", *(["reshape"] if gate[0] else []), *(["cast"] if gate[1] else [])]
+        )
+    return GemmPatternDef(
+        name,
+        transposed,
+        cast,
+        bias,
+        reshape,
+        activation,
+        residual,
+        x,
+        ann,
+        gate=gate is not None,
+        gate_reshape=bool(gate and gate[0]),
+        gate_cast=bool(gate and gate[1]),
+    )
 
 
 def _pattern_defs() -> list[GemmPatternDef]:
@@ -100,6 +146,24 @@ def _pattern_defs() -> list[GemmPatternDef]:
     # puts an activation between a projection and its residual add)
     tails = [("none", True)] + [(a, False) for a in ACTIVATION_OPS] + [("none", False)]
     defs = []
+    # gated units first: their tail is the longest, and the up projection alone would
+    # otherwise match a shorter pattern and leave the SiLU and product to TVM
+    for gate_cast in (True, False):
+        for gate_reshape in (True, False):
+            for reshape in (True, False):
+                for cast in (True, False):
+                    for transposed in (True, False):
+                        defs.append(
+                            _make(
+                                transposed,
+                                cast,
+                                False,
+                                reshape,
+                                "none",
+                                False,
+                                gate=(gate_reshape, gate_cast),
+                            )
+                        )
     for activation, residual in tails:
         for bias in (True, False):
             for reshape in (True, False) if (residual or activation != "none") else (False,):
@@ -273,9 +337,9 @@ def analyze(
                 "only a reshape that regroups the rows (keeping N as the last dim) folds "
                 "into the GEMM's output",
             )
-    bias_idx = res_idx = -1
+    bias_idx = res_idx = gate_idx = -1
     inner = [ann[k] for k in ("matmul", "cast", "bias_add", "reshape", "activation") if k in ann]
-    for role in ("bias", "residual"):
+    for role in ("bias", "residual", "gate"):
         if role in ann and any(ann[role].same_as(e) for e in inner):
             an.fail(
                 f"{role}_source",
@@ -315,6 +379,8 @@ def analyze(
             )
         else:
             res_idx = operand_index(res)
+    if pdef.gate:
+        gate_idx = _check_gate(an, ann, dtype, so, operand_index)
     if an.failures:
         return an
     a_idx, b_idx = operand_index(a), operand_index(w)
@@ -335,6 +401,7 @@ def analyze(
         b=b_idx,
         bias=bias_idx,
         residual=res_idx,
+        gate=gate_idx,
         batch=batch,
         batched=batched,
         num_operands=len(params) if params is not None else 0,
@@ -342,6 +409,54 @@ def analyze(
         out_shape=tuple(so),
     )
     return an
+
+
+def _check_gate(
+    an: GemmAnalysis,
+    ann: dict[str, Any],
+    dtype: str,
+    out: list[int | str],
+    operand_index: Callable[[Any], int],
+) -> int:
+    """Checks of a gated unit's gate chain; its operand index, or -1 after a failure."""
+    gate = ann["gate"]
+    gs = _static(shape_of(gate) or [])
+    if dtype_of(gate) != dtype or not gs or gs[-1] != out[-1] or _numel(gs) != _numel(out):
+        an.fail(
+            "gate_shape",
+            f"{out} ({dtype}), or its rows regrouped",
+            f"{gs} ({dtype_of(gate)})",
+            "the gate must hold the output's elements, row for row, in the GEMM's dtype",
+        )
+        return -1
+    symbolic = DYNAMIC in gs or any(not isinstance(d, int) for d in out)
+    if symbolic and not _same_symbolic(gate, ann["root"]):
+        an.fail(
+            "gate_shape",
+            "the output's shape",
+            _labels(shape_of(gate)),
+            "the gate's symbolic dims are not provably the output's",
+        )
+        return -1
+    if "gate_down" in ann:
+        inner = dtype_of(ann["gate_up"])
+        if inner not in ("float32", dtype) or dtype_of(ann["gate_down"]) != dtype:
+            an.fail(
+                "gate_cast",
+                f"SiLU in float32 or {dtype}, cast back to {dtype}",
+                f"{inner} -> {dtype_of(ann['gate_down'])}",
+                "the casts around the gate's SiLU change more than its precision",
+            )
+            return -1
+    elif dtype_of(ann["gate_silu"]) != dtype:
+        an.fail(
+            "gate_cast",
+            dtype,
+            dtype_of(ann["gate_silu"]),
+            "the gate's SiLU is not in the GEMM's dtype",
+        )
+        return -1
+    return operand_index(gate)
 
 
 def _same_symbolic(x: Any, y: Any) -> bool:

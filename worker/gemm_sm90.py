@@ -106,8 +106,9 @@ def config_type(spec: GemmSpec, tile: Tile) -> str:
         f"stackfuse::gemm::Config<{_CUTLASS_TYPE[spec.dtype]}, "
         f"{'true' if spec.b_kmajor else 'false'}, {tile.m}, {tile.n}, {tile.k}, "
         f"{tile.cluster_m}, {tile.cluster_n}, stackfuse::gemm::{tile.schedule}, "
-        f"{_SCHEDULER[tile.scheduler]}, {_ACT[spec.activation]}, "
-        f"{'true' if spec.has_residual else 'false'}>"
+        f"{_SCHEDULER[tile.scheduler]}, "
+        f"{'stackfuse::gemm::SiLuGate' if spec.has_gate else _ACT[spec.activation]}, "
+        f"{'true' if spec.c_operand >= 0 else 'false'}>"
     )
 
 
@@ -148,7 +149,8 @@ Status {symbol}(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) 
             "dtype": spec.dtype,
             "b_layout": "k_major" if spec.b_kmajor else "n_major",
             "activation": spec.activation,
-            "source_c": spec.has_residual,
+            "source_c": spec.c_operand >= 0,
+            **({"gate": True} if spec.has_gate else {}),
             "type": cfg,
         },
     )
@@ -219,7 +221,7 @@ namespace {{
 
 const stackfuse::gemm::SiteSpec kSpec = {{
     /*num_operands=*/{n},
-    /*a=*/{spec.a}, /*b=*/{spec.b}, /*bias=*/{spec.bias}, /*c=*/{spec.residual},
+    /*a=*/{spec.a}, /*b=*/{spec.b}, /*bias=*/{spec.bias}, /*c=*/{spec.c_operand},
     /*b_kmajor=*/{"true" if spec.b_kmajor else "false"},
     /*n=*/{int(spec.n)}, /*k=*/{int(spec.k)},
     /*dtype_code=*/{_DL_CODE[spec.dtype]}, /*dtype_bits=*/16,
@@ -275,11 +277,15 @@ def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
     return ks, reason
 
 
+#: the epilogue of a gated unit: ``silu(C) * acc``, C the gate (an EPILOGUE_VARIANTS activation)
+SILU_GATE = "silu_gate"
+
 #: (activation, reads C) of every configuration a pattern can need: each activation without C,
-#: and C (the residual) without an activation
+#: C (the residual) without an activation, and the gated unit
 EPILOGUE_VARIANTS: tuple[tuple[str, bool], ...] = (
     *((act, False) for act in ACTIVATIONS),
     ("none", True),
+    (SILU_GATE, True),
 )
 
 
@@ -287,15 +293,18 @@ def render_configuration(
     dtype: str, tile: str, b_kmajor: bool, activation: str, residual: bool
 ) -> KernelSource:
     """:func:`render_config` without a site: the configuration is the same for every M, N and K,
-    so any shape stands in (prebuild and the GEMM benchmark)."""
+    so any shape stands in (prebuild and the GEMM benchmark). ``activation`` may be
+    :data:`SILU_GATE` (with ``residual`` true: the gate is the C it reads)."""
+    gate = activation == SILU_GATE
     spec = weight_spec(
         dtype=dtype,  # type: ignore[arg-type]
         m=4096,
         n=1024,
         k=1024,
         b_kmajor=b_kmajor,
-        activation=activation,  # type: ignore[arg-type]
-        residual=residual,
+        activation="none" if gate else activation,  # type: ignore[arg-type]
+        residual=residual and not gate,
+        gate=gate,
     )
     return render_config(spec, TILES[tile])
 

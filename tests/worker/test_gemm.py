@@ -256,6 +256,80 @@ def test_x_times_sigmoid_x_becomes_silu_and_fuses_into_its_gemm() -> None:
     assert entry.offloaded and entry.epilogue == ["silu"], entry
 
 
+def swiglu_module(
+    m: int = 64,
+    k: int = 32,
+    n: int = 48,
+    *,
+    casts: bool = True,
+    gate_first: bool = True,
+    gate_shape: tuple[int, ...] | None = None,
+) -> Any:
+    """SwiGLU as transformers' Llama exports it: ``act(gate_proj(x)) * up_proj(x)``, the
+    projections reshaped to ``[1, M, N]`` and, with ``casts``, the SiLU in float32 between two
+    casts. ``gate_shape`` replaces the gate projection by an argument of that shape."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((m, k), "float16"))
+        wg = R.arg("wg", R.Tensor((n, k), "float16"))
+        wu = R.arg("wu", R.Tensor((n, k), "float16"))
+        other = R.arg("g", R.Tensor(gate_shape, "float16")) if gate_shape else None
+        with R.dataflow() as frame:
+
+            def proj(w: Any) -> Any:
+                y = R.emit(R.matmul(x, R.permute_dims(w, [1, 0]), out_dtype="float32"))
+                return R.emit(R.reshape(R.astype(y, "float16"), (1, m, n)))
+
+            gate = other if other is not None else proj(wg)
+            if casts:
+                act = R.emit(R.astype(R.nn.silu(R.astype(gate, "float32")), "float16"))
+            else:
+                act = R.emit(R.nn.silu(gate))
+            up = proj(wu)
+            out = R.emit(R.multiply(act, up) if gate_first else R.multiply(up, act))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+@pytest.mark.parametrize("casts", [True, False])
+@pytest.mark.parametrize("gate_first", [True, False])
+def test_swiglu_fuses_silu_and_product_into_the_up_projection(
+    casts: bool, gate_first: bool
+) -> None:
+    """The up projection's epilogue reads the gate projection's output as C: silu(C) * acc."""
+    part = _gemms(swiglu_module(casts=casts, gate_first=gate_first))
+    gate, up = part.entries
+    assert gate.offloaded and gate.epilogue == [], gate
+    assert up.offloaded and up.epilogue == ["silu_gate"], up
+    script = part.mod["main"].script()
+    assert "R.nn.silu" not in script and "R.multiply" not in script, script
+    (ff,) = [f for f in part.functions if f.spec.has_gate]
+    spec = ff.spec
+    assert spec.c_operand == spec.gate >= 0 and not spec.has_residual
+    assert spec.operand_shapes[spec.gate] == (64, 48)  # the gate as its GEMM wrote it
+    ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
+    assert "silu_gate" in reason
+    assert f"/*c=*/{spec.gate}," in ks.source
+    assert "stackfuse::gemm::SiLuGate, true>" in ks.needs[0].source
+
+
+def test_a_gate_that_is_not_the_outputs_shape_leaves_the_product_to_tvm() -> None:
+    part = _gemms(swiglu_module(gate_shape=(48,)))
+    (up,) = part.entries
+    assert up.offloaded and up.epilogue == [], up
+    assert "R.multiply" in part.mod["main"].script()
+
+
+def test_the_gated_configuration_is_one_of_the_prebuilt_variants() -> None:
+    ks = gemm_sm90.render_configuration(
+        "float16", "pingpong_128x128_c1x2", True, gemm_sm90.SILU_GATE, True
+    )
+    assert ks.config["gate"] and ks.config["source_c"]
+    assert (gemm_sm90.SILU_GATE, True) in gemm_sm90.EPILOGUE_VARIANTS
+    assert ks.symbol in {c.symbol for c in gemm_sm90.selected_configs(("float16",))}
+
+
 # --------------------------------------------------------------------------------------------
 # glue and selection
 # --------------------------------------------------------------------------------------------

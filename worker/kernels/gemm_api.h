@@ -13,7 +13,8 @@
 namespace stackfuse {
 namespace gemm {
 
-// D[l] = act(A[l] B[l] + beta * C[l] + bias), every operand compact:
+// D[l] = act(A[l] B[l] + beta * C[l] + bias), or silu(C[l]) * A[l] B[l] for a gated
+// configuration (beta and bias unused), every operand compact:
 //   A [L, M, K] row-major; B [L, K, N] (N-major) or [L, N, K] (K-major) as the configuration
 //   says; C and D [L, M, N] row-major; bias [N] broadcast over rows. C may be null (beta 0),
 //   bias may be null (no bias). A batch stride of 0 broadcasts B over L.

@@ -1,5 +1,6 @@
 // Hopper GEMM configurations: CUTLASS 3.x TMA + warp-specialized mainloops from the collective
-// builder, with the epilogue visitor tree act(acc + beta * C + bias) (LinCombPerColBiasEltAct).
+// builder, with the epilogue visitor tree act(acc + beta * C + bias) (LinCombPerColBiasEltAct),
+// or silu(C) * acc for a gated unit (SwiGLU's up projection times the SiLU of its gate).
 // One Config is one compiled object; the problem size is run-time data (gemm_api.h), so a few
 // configurations serve every layer of every model. A null bias reads as zeros and beta 0 skips
 // loading C. A configuration with C serves residual adds; one without (HasC false) gives its
@@ -34,11 +35,38 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
+// The Act of a gated configuration: D = silu(C) * acc, C being the gate's projection. SiLU runs
+// in float32 on C as stored, like transformers' act_fn(gate_proj(x)) * up_proj(x).
+template <class T>
+struct SiLuGate {};
+
+template <template <class> class Act, class ElementD, class Element>
+struct FusionOf {
+  static constexpr bool kGate = false;
+  using type = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Act, ElementD, float, Element,
+                                                                  Element, float>;
+};
+
+template <class ElementD, class Element>
+struct FusionOf<SiLuGate, ElementD, Element> {
+  static constexpr bool kGate = true;
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  using type = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementD, float, kRound>,
+      cutlass::epilogue::fusion::Sm90EVT<
+          cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::SiLu, float, float,
+                                                 kRound>,
+          cutlass::epilogue::fusion::Sm90SrcFetch<Element>>,
+      cutlass::epilogue::fusion::Sm90AccFetch>;
+};
+
 // BKMajor: B stored [N, K] (a transposed weight, torch.nn.Linear's layout); else [K, N].
 template <class Element, bool BKMajor, int TileM, int TileN, int TileK, int ClusterM,
           int ClusterN, class Schedule, class Scheduler, template <class> class Act, bool HasC>
 struct Config {
   static constexpr bool kHasC = HasC;
+  static constexpr bool kGate = FusionOf<Act, Element, Element>::kGate;
+  static_assert(!kGate || HasC, "a gated configuration reads its gate as C");
   using ElementA = Element;
   using ElementB = Element;
   using ElementC = cute::conditional_t<HasC, Element, void>;
@@ -52,8 +80,7 @@ struct Config {
 
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBiasEltAct<Act, ElementD, float, Element,
-                                                                    Element, float>;
+  using Fusion = typename FusionOf<Act, ElementD, Element>::type;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -123,10 +150,15 @@ Status launch(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) {
   args.hw_info.device_id = p.device_id;
   args.hw_info.sm_count = sm_count(p.device_id);
   if (p.swizzle > 1) args.scheduler.max_swizzle_size = p.swizzle;
-  auto& f = args.epilogue.thread;
-  f.alpha = 1.0f;
-  f.beta = p.c ? p.beta : 0.0f;
-  f.bias_ptr = static_cast<const Element*>(p.bias);
+  if constexpr (Cfg::kGate) {
+    // the tree's nodes take no arguments; the gate is C, which it always reads
+    if (p.c == nullptr || p.bias != nullptr) return Status::kUnsupported;
+  } else {
+    auto& f = args.epilogue.thread;
+    f.alpha = 1.0f;
+    f.beta = p.c ? p.beta : 0.0f;
+    f.bias_ptr = static_cast<const Element*>(p.bias);
+  }
 
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return Status::kUnsupported;

@@ -40,7 +40,7 @@ inline const char* role(const SiteSpec& s, int i) {
   if (i == s.a) return "the activation (A)";
   if (i == s.b) return "the weight (B)";
   if (i == s.bias) return "the bias";
-  if (i == s.c) return "the residual";
+  if (i == s.c) return "C (the residual or the gate)";
   return "an operand";
 }
 
@@ -114,7 +114,7 @@ inline void run_site(LaunchFn launch, const SiteSpec& s, DLTensor* const* ops, D
     p.bias = data_of(ops[s.bias]);
   }
   if (s.c >= 0) {
-    TVM_FFI_ICHECK_EQ(numel(ops[s.c]), l * m * s.n) << "the residual must match the output";
+    TVM_FFI_ICHECK_EQ(numel(ops[s.c]), l * m * s.n) << "C (the residual or the gate) must match the output";
     p.c = data_of(ops[s.c]);
     p.beta = 1.0f;
   }
