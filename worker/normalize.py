@@ -16,6 +16,12 @@ as a :class:`~worker.report.Rewrite`:
 - ``empty_concat``: zero-width concat operands (partial rotary with no rotary dims) are dropped;
 - ``integer_power``: ``x ** 3`` (GPT-2's GELU) becomes multiplies: fast-math CUDA ``powf`` is
   NaN for negative x, which made whole GPT-2 libraries return NaN;
+- ``grouped_kv``: K and V repeated up to the query heads (transformers' ``repeat_kv``:
+  ``expand_dims -> broadcast_to -> reshape``, or ``R.repeat``) are read with their own head
+  count: grouped-query attention, query head i on key/value head i // (Nq / Nkv), with no
+  repeated copy. Only for sm_90 in float16/bfloat16, where the Hopper kernel reads GQA
+  (elsewhere the repeated heads keep the site on the other kernels; TVM's fallback repeats them
+  again at build time);
 - ``combine_qkv``: three matmuls of one input feeding one attention (BERT's query/key/value)
   become one matmul on concatenated weights and a split: the stacked layout the fused kernel
   reads. (TVM's ``CombineParallelMatmul`` does not fire on exported graphs: their weights reach
@@ -136,10 +142,11 @@ class _Log:
 # --------------------------------------------------------------------------------------------
 @relax.expr_functor.mutator
 class _Local(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, log: _Log, combine: bool) -> None:
+    def __init__(self, mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> None:
         super().__init__(mod)
         self.log = log
         self.combine = combine
+        self.gqa = gqa
         self.split_cache: dict[Any, Any] = {}
 
     # value of a variable bound earlier in this function (None for parameters)
@@ -172,6 +179,8 @@ class _Local(relax.PyExprMutator):
             return self.silu(call) if out is call else out
         if op == "relax.nn.attention_bias":
             call = self.constant_mask(call)
+        if _op(call) in ATTENTION_OPS and self.gqa:
+            call = self.grouped_kv(call)
         if _op(call) in ATTENTION_OPS and self.combine:
             return self.combine_qkv(call)
         return call
@@ -460,6 +469,76 @@ class _Local(relax.PyExprMutator):
         self.log.counts["decomposed_attention"] += 1
         return relax.op.permute_dims(att, to_bsnh)
 
+    # ---- repeated K/V -> grouped-query attention ---------------------------------------
+    def unrepeat(self, expr: Any) -> tuple[Any, int] | None:
+        """``expr`` ``[B, S, N, H]`` built by repeating each of Nkv heads N / Nkv times ->
+        (the un-repeated ``[B, S, Nkv, H]``, Nkv); None for any other form. Heads repeat in
+        blocks (head i is i // r), as ``repeat_kv`` and ``R.repeat`` do."""
+        out = _shape(expr)
+        if out is None or len(out) != 4:
+            return None
+        x = self.value(expr)
+        heads_axis = 2  # of [B, S, N, H]; 1 below a permute to [B, N, S, H]
+        permuted = False
+        if _op(x) == "relax.permute_dims" and _axes(x) == [0, 2, 1, 3]:
+            x, heads_axis, permuted = self.value(x.args[0]), 1, True
+        base = None
+        if _op(x) == "relax.repeat":
+            axis = int(x.attrs.axis) if x.attrs.axis is not None else None
+            if axis is not None and axis % 4 == heads_axis:
+                base = x.args[0]
+        elif _op(x) == "relax.reshape":
+            b = self.value(x.args[0])
+            e = self.value(b.args[0]) if _op(b) == "relax.broadcast_to" else None
+            if _op(e) == "relax.expand_dims" and _ints(e.attrs.axis) in (
+                [heads_axis + 1],
+                [heads_axis + 1 - 5],
+            ):
+                src, bs = _shape(e.args[0]), _shape(b)
+                # [.., Nkv, 1, ..] broadcast to [.., Nkv, r, ..] and merged back to N heads
+                if (
+                    src is not None
+                    and bs is not None
+                    and len(bs) == 5
+                    and bs[: heads_axis + 1] == src[: heads_axis + 1]
+                    and bs[heads_axis + 2 :] == src[heads_axis + 1 :]
+                ):
+                    base = e.args[0]
+        if base is None:
+            return None
+        src = _shape(base)
+        if src is None or len(src) != 4:
+            return None
+        nkv = src[heads_axis]
+        n = out[2]
+        if nkv >= n or n % nkv:
+            return None
+        if permuted:
+            base = self.emit(relax.op.permute_dims(base, [0, 2, 1, 3]), "kv")
+        return base, nkv
+
+    def grouped_kv(self, call: relax.Call) -> Any:
+        if _dtype(call.args[0]) not in ("float16", "bfloat16"):
+            return call
+        k, v = self.unrepeat(call.args[1]), self.unrepeat(call.args[2])
+        if k is None or v is None or k[1] != v[1]:
+            return call
+        nq = (_shape(call.args[0]) or [0, 0, 0])[2]
+        out = relax.Call(
+            call.op, [call.args[0], k[0], v[0], *call.args[3:]], call.attrs, call.ty_args, call.span
+        )
+        att, tag = self.log.tagged(out, call)
+        self.log.sites.append(
+            (
+                "grouped_kv",
+                tag,
+                f"K and V repeated from {k[1]} to {nq} heads are read as {k[1]} heads "
+                "(grouped-query attention): no repeated copy",
+            )
+        )
+        self.log.counts["grouped_kv"] += 1
+        return att
+
     # ---- separate q/k/v projections -> one stacked projection ---------------------------
     def projection(self, expr: Any) -> tuple[Any, Any, Any, list[int], Any] | None:
         """``reshape(cast?(matmul(x, w)) [+ b], [B, S, N, H])`` -> (x, w, b, [B, S, N, H],
@@ -616,13 +695,13 @@ def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.RemoveRedundantReshape()(mod)
 
 
-def _run_local(mod: tvm.IRModule, log: _Log, combine: bool) -> tvm.IRModule:
+def _run_local(mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> tvm.IRModule:
     for _ in range(MAX_ROUNDS):
         before = sum(log.counts.values())
         out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
-                out[gv] = _Local(mod, log, combine).visit_expr(func)
+                out[gv] = _Local(mod, log, combine, gqa).visit_expr(func)
         mod = _simplify(out)
         if sum(log.counts.values()) == before:
             break
@@ -647,8 +726,11 @@ def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
     return out
 
 
-def normalize(mod: tvm.IRModule, options: CompileOptions) -> tuple[tvm.IRModule, list[Rewrite]]:
-    """Apply the rewrites above; return the module and one report entry per rewrite that fired."""
+def normalize(
+    mod: tvm.IRModule, options: CompileOptions, arch: str | None = None
+) -> tuple[tvm.IRModule, list[Rewrite]]:
+    """Apply the rewrites above; return the module and one report entry per rewrite that fired.
+    ``arch`` (the target's) enables the rewrites that pay only where a kernel takes their form."""
     rewrites: list[Rewrite] = []
     log = _Log()
     before = mod
@@ -657,7 +739,8 @@ def normalize(mod: tvm.IRModule, options: CompileOptions) -> tuple[tvm.IRModule,
     if not tvm_ffi.structural_equal(before, mod):
         rewrites.append(Rewrite(rewrite="dataflow", message="bindings moved into dataflow blocks"))
     mod = relax.transform.EliminateCommonSubexpr()(mod)  # three reshape(x) -> one
-    mod = _run_local(mod, log, combine=options.fuse_stacked)
+    gqa = arch is not None and arch.rstrip("a") == "sm_90"
+    mod = _run_local(mod, log, combine=options.fuse_stacked, gqa=gqa)
     sites = _attention_sites(mod)
     for name, tag, message in log.sites:
         fn, idx, binding = sites.get(tag, ("main", -1, "?"))

@@ -133,7 +133,7 @@ def compile_module(
         say("normalize")
         with timed("normalize"):
             if options.normalize:
-                mod, rewrites = normalize.normalize(mod, options)
+                mod, rewrites = normalize.normalize(mod, options, target.arch)
                 report.normalizations.extend(rewrites)
         say("partition")
         with timed("partition"):

@@ -300,3 +300,81 @@ def test_a_plain_module_is_left_alone() -> None:
 
 
 _ = T
+
+
+# --- repeated K/V (GQA as transformers' repeat_kv writes it) -------------------------------
+NQ, NKV = 4, 2
+
+
+def repeated_kv_module(form: str, dtype: str = "float16") -> Any:
+    """q ``[B, S, NQ, H]``; k and v ``[B, S, NKV, H]`` repeated up to NQ heads by ``form``:
+    ``repeat_kv`` (transformers: [B, N, S, H], expand_dims, broadcast_to, reshape), ``repeat``
+    (``R.repeat`` on the heads axis) or ``tile`` (heads interleaved: not grouped-query)."""
+    r = NQ // NKV
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((B, S, NQ, H), dtype))
+        k = R.arg("k", R.Tensor((B, S, NKV, H), dtype))
+        v = R.arg("v", R.Tensor((B, S, NKV, H), dtype))
+        with R.dataflow() as frame:
+
+            def rep(x: Any) -> Any:
+                if form == "repeat":
+                    return R.emit(R.repeat(x, r, axis=2))
+                t = R.emit(R.permute_dims(x, [0, 2, 1, 3]))  # [B, NKV, S, H]
+                if form == "repeat_kv":
+                    e = R.emit(R.expand_dims(t, [2]))
+                    b = R.emit(R.broadcast_to(e, R.shape([B, NKV, r, S, H])))
+                else:
+                    e = R.emit(R.expand_dims(t, [1]))
+                    b = R.emit(R.broadcast_to(e, R.shape([B, r, NKV, S, H])))
+                m = R.emit(R.reshape(b, [B, NQ, S, H]))
+                return R.emit(R.permute_dims(m, [0, 2, 1, 3]))
+
+            out = R.emit(R.nn.attention(q, rep(k), rep(v), causal_mask="TopLeft"))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+@pytest.mark.parametrize("form", ["repeat_kv", "repeat"])
+def test_repeated_kv_is_read_as_grouped_query_attention(form: str) -> None:
+    from worker.build import expand_kv_heads
+
+    mod = repeated_kv_module(form)
+    out, rewrites = normalize(mod, OPTS, "sm_90")
+    (rw,) = [r for r in rewrites if r.rewrite == "grouped_kv"]
+    assert rw.where is not None and rw.where.site == "main/attention#0"
+    assert f"from {NKV} to {NQ} heads" in rw.message
+    ops = _ops(out)
+    assert "relax.broadcast_to" not in ops and "relax.repeat" not in ops, ops
+    (m,) = partition(out, OPTS, "sm_90").match_entries()
+    assert m.shapes["k"][2] == NKV, m.shapes
+    # TVM's path (the validation reference, and sites no kernel takes) repeats them again
+    args = [
+        a.astype("float16")
+        for a in (_rnd(B, S, NQ, H), _rnd(B, S, NKV, H, seed=1), _rnd(B, S, NKV, H, seed=2))
+    ]
+    np.testing.assert_allclose(
+        _run(expand_kv_heads(out), args).astype("float32"),
+        _run(mod, args).astype("float32"),
+        atol=2e-3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("form", "arch", "dtype"),
+    [
+        ("tile", "sm_90", "float16"),
+        ("repeat_kv", "sm_80", "float16"),
+        ("repeat_kv", "sm_90", "float32"),
+    ],
+)
+def test_repeated_kv_stays_where_no_kernel_reads_grouped_heads(
+    form: str, arch: str, dtype: str
+) -> None:
+    """Interleaved heads are not GQA; on sm_80, and in float32, the other kernels need the
+    repeated heads."""
+    out, rewrites = normalize(repeated_kv_module(form, dtype), OPTS, arch)
+    assert "grouped_kv" not in _names(rewrites)
+    assert "relax.broadcast_to" in _ops(out)
