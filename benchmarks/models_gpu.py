@@ -54,8 +54,9 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def gpu_breakdown(fn: Any, torch: Any) -> dict[str, float]:
-    """GPU microseconds per call by kernel class (torch.profiler over PROFILED_CALLS calls)."""
+def gpu_breakdown(fn: Any, torch: Any, top: int = 8) -> dict[str, Any]:
+    """GPU microseconds per call by kernel class (torch.profiler over PROFILED_CALLS calls),
+    and the ``top`` kernels of the rest by time (what a fusion could still take)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -64,12 +65,21 @@ def gpu_breakdown(fn: Any, torch: Any) -> dict[str, float]:
         for _ in range(PROFILED_CALLS):
             fn()
         torch.cuda.synchronize()
-    out = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    out: dict[str, Any] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    rest: dict[str, list[float]] = {}
     for ev in prof.events():
         if getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
-            out[kernel_class(ev.name)] += ev.device_time / PROFILED_CALLS
+            cls = kernel_class(ev.name)
+            out[cls] += ev.device_time / PROFILED_CALLS
+            if cls == "other":
+                rest.setdefault(ev.name[:120], []).append(ev.device_time / PROFILED_CALLS)
     out["total"] = sum(out.values())
-    return {k: round(v, 1) for k, v in out.items()}
+    out = {k: round(v, 1) for k, v in out.items()}
+    out["top_other"] = [
+        {"kernel": name, "us": round(sum(ts), 1), "calls": len(ts) // PROFILED_CALLS}
+        for name, ts in sorted(rest.items(), key=lambda kv: -sum(kv[1]))[:top]
+    ]
+    return out
 
 
 def state_digest(model: Any) -> str:
@@ -383,6 +393,15 @@ def to_markdown(doc: dict[str, Any]) -> str:
                     else "-"
                 )
             lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    for r in broken:
+        top = r["gpu_us_by_class"].get("stackfuse", {}).get("top_other")
+        if top:
+            lines += [
+                "",
+                f"Largest kernels of the rest in {r['case']}'s library (us per call):",
+                "",
+            ]
+            lines += [f"- {t['us']:.1f} ({t['calls']} calls): `{t['kernel']}`" for t in top]
     for r in doc["results"]:
         for key in ("error", "torch_compile_error", "torch_compile_max_autotune_error"):
             if r.get(key):

@@ -14,6 +14,9 @@ as a :class:`~worker.report.Rewrite`:
   below a split or slice, and a batch-merged transpose (reshape -> 3-D transpose -> reshape) is
   seen as the 4-D transpose it is, so that pairs meet and cancel;
 - ``empty_concat``: zero-width concat operands (partial rotary with no rotary dims) are dropped;
+- ``rms_norm``: ``w * cast?(x * rsqrt(mean(x * x, -1) + eps))`` (Llama's RMSNorm, in float32
+  between casts) becomes one ``R.nn.rms_norm``: TVM fused the chain into three kernels that
+  wrote the float32 input and its square to memory;
 - ``integer_power``: ``x ** 3`` (GPT-2's GELU) becomes multiplies: fast-math CUDA ``powf`` is
   NaN for negative x, which made whole GPT-2 libraries return NaN;
 - ``grouped_kv``: K and V repeated up to the query heads (transformers' ``repeat_kv``:
@@ -175,7 +178,9 @@ class _Local(relax.PyExprMutator):
         if op == "relax.power":
             return self.integer_power(call)
         if op == "relax.multiply":
-            out = self.tanh_gelu(call)
+            out = self.rms_norm(call)
+            if out is call:
+                out = self.tanh_gelu(call)
             return self.silu(call) if out is call else out
         if op == "relax.nn.attention_bias":
             call = self.constant_mask(call)
@@ -469,6 +474,62 @@ class _Local(relax.PyExprMutator):
         self.log.counts["decomposed_attention"] += 1
         return relax.op.permute_dims(att, to_bsnh)
 
+    # ---- RMSNorm ------------------------------------------------------------------------
+    def _rms_parts(self, y: Any) -> tuple[Any, float] | None:
+        """``x * rsqrt(mean(x * x, axis=-1, keepdims) + eps)`` -> (x, eps)."""
+        y = self.value(y)
+        if _op(y) != "relax.multiply":
+            return None
+        for x, r in (y.args, y.args[::-1]):
+            rv = self.value(r)
+            if _op(rv) != "relax.rsqrt":
+                continue
+            s = self.value(rv.args[0])
+            if _op(s) != "relax.add":
+                continue
+            for mean, eps_expr in (s.args, s.args[::-1]):
+                eps = _scalar(eps_expr)
+                mv = self.value(mean)
+                if eps is None or _op(mv) != "relax.mean" or not mv.attrs.keepdims:
+                    continue
+                axes = _ints(mv.attrs.axis) if mv.attrs.axis is not None else None
+                if axes is None or [a % _ndim(x) for a in axes] != [_ndim(x) - 1]:
+                    continue
+                sq = self.value(mv.args[0])
+                if _op(sq) == "relax.multiply" and all(a.same_as(x) for a in sq.args):
+                    return x, eps
+        return None
+
+    def rms_norm(self, call: relax.Call) -> Any:
+        for w, y in (call.args, call.args[::-1]):
+            ws, out = _shape(w), _shape(call)
+            if ws is None or len(ws) != 1 or out is None or ws[0] != out[-1]:
+                continue
+            yv = self.value(y)
+            if _op(yv) == "relax.astype":
+                yv = yv.args[0]
+            parts = self._rms_parts(yv)
+            if parts is None:
+                continue
+            x, eps = parts
+            src = self.value(x)
+            if (
+                _op(src) == "relax.astype"
+                and _dtype(src.args[0]) == _dtype(call) == _dtype(w)
+                and _dtype(x) == "float32"
+            ):
+                # TVM's rms_norm computes in float32 whatever its input: the cast fuses away
+                x = src.args[0]
+            dtype = _dtype(x)
+            if _dtype(w) != dtype:
+                w = self.emit(relax.op.astype(w, dtype), "rms_w")
+            norm = self.emit(relax.op.nn.rms_norm(x, w, axes=[-1], epsilon=eps), "rms_norm")
+            self.log.counts["rms_norm"] += 1
+            if _dtype(call) != dtype:
+                return relax.op.astype(norm, _dtype(call))
+            return norm
+        return call
+
     # ---- repeated K/V -> grouped-query attention ---------------------------------------
     def unrepeat(self, expr: Any) -> tuple[Any, int] | None:
         """``expr`` ``[B, S, N, H]`` built by repeating each of Nkv heads N / Nkv times ->
@@ -683,6 +744,7 @@ class _Local(relax.PyExprMutator):
 _MESSAGES = {
     "transpose_pairs": "{n} transpose(s) composed, cancelled or moved below a split/slice",
     "empty_concat": "{n} concat(s) with zero-width operands simplified",
+    "rms_norm": "{n} RMSNorm chain(s) (mean of squares, rsqrt, scale) written as rms_norm",
     "integer_power": "{n} power(x, 2|3|4) written as multiplies (fast-math powf is NaN for x < 0)",
     "gelu_tanh": "{n} tanh-form GELU chain(s) written as gelu_tanh (fusable into a GEMM epilogue)",
     "silu": "{n} x * sigmoid(x) written as silu (fusable into a GEMM epilogue)",

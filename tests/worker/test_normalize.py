@@ -378,3 +378,46 @@ def test_repeated_kv_stays_where_no_kernel_reads_grouped_heads(
     out, rewrites = normalize(repeated_kv_module(form, dtype), OPTS, arch)
     assert "grouped_kv" not in _names(rewrites)
     assert "relax.broadcast_to" in _ops(out)
+
+
+# --- RMSNorm ------------------------------------------------------------------------------
+def rms_norm_module(dtype: str, weight_first: bool = True, axis: int = -1) -> Any:
+    """transformers' LlamaRMSNorm: ``w * cast(x32 * rsqrt(mean(x32 * x32, -1) + eps))`` with
+    ``x32 = cast(x, float32)`` (no casts in float32)."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((B, S, C), dtype))
+        w = R.arg("w", R.Tensor((C,), dtype))
+        with R.dataflow() as frame:
+            x32 = R.emit(R.astype(x, "float32")) if dtype != "float32" else x
+            sq = R.emit(R.multiply(x32, x32))
+            mean = R.emit(R.mean(sq, axis=[axis], keepdims=True))
+            r = R.emit(R.rsqrt(R.add(mean, R.const(1e-6, "float32"))))
+            y = R.emit(R.multiply(x32, r))
+            if dtype != "float32":
+                y = R.emit(R.astype(y, dtype))
+            out = R.emit(R.multiply(w, y) if weight_first else R.multiply(y, w))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+@pytest.mark.parametrize(("dtype", "weight_first"), [("float16", True), ("float32", False)])
+def test_rms_norm_chain_becomes_one_operator(dtype: str, weight_first: bool) -> None:
+    mod = rms_norm_module(dtype, weight_first)
+    out, rewrites = normalize(mod, OPTS)
+    assert "rms_norm" in _names(rewrites)
+    ops = _ops(out)
+    assert ops.count("relax.nn.rms_norm") == 1
+    assert "relax.mean" not in ops and "relax.rsqrt" not in ops, ops
+    # inputs whose squares overflow float16: the operator computes in float32 as the chain did
+    args = [(_rnd(B, S, C) * 300).astype(dtype), (1 + 0.1 * _rnd(C, seed=1)).astype(dtype)]
+    got, ref = _run(out, args).astype("float32"), _run(mod, args).astype("float32")
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=2e-3 if dtype == "float16" else 1e-5, atol=2e-3)
+
+
+def test_a_mean_over_another_axis_is_not_rms_norm() -> None:
+    out, rewrites = normalize(rms_norm_module("float32", axis=1), OPTS)
+    assert "rms_norm" not in _names(rewrites)
+    assert "relax.mean" in _ops(out)
