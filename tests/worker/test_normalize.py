@@ -421,3 +421,50 @@ def test_a_mean_over_another_axis_is_not_rms_norm() -> None:
     out, rewrites = normalize(rms_norm_module("float32", axis=1), OPTS)
     assert "rms_norm" not in _names(rewrites)
     assert "relax.mean" in _ops(out)
+
+
+# --- q/k/v projections reaching attention through other operators -------------------------
+def rotary_gqa_module(cross: bool = False) -> Any:
+    """Llama-like: three projections of one x, q and k scaled by a constant table on the way
+    (a stand-in for rotary), K/V with NKV heads; ``cross``: K/V project another input."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor((B * S, C), "float32"))
+        mem = R.arg("mem", R.Tensor((B * S, C), "float32")) if cross else x
+        wq = R.arg("wq", R.Tensor((NQ * H, C), "float32"))
+        wk = R.arg("wk", R.Tensor((NKV * H, C), "float32"))
+        wv = R.arg("wv", R.Tensor((NKV * H, C), "float32"))
+        table = R.const(np.linspace(0.5, 1.5, H, dtype="float32"))
+        with R.dataflow() as frame:
+
+            def proj(w: Any, heads: int, rotate: bool) -> Any:
+                src = x if heads == NQ else mem
+                y = R.emit(R.matmul(src, R.emit(R.permute_dims(w, [1, 0]))))
+                y = R.emit(R.reshape(y, [B, S, heads, H]))
+                return R.emit(R.multiply(y, table)) if rotate else y
+
+            q, k, v = proj(wq, NQ, True), proj(wk, NKV, True), proj(wv, NKV, False)
+            out = R.emit(R.nn.attention(q, k, v))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def test_projections_behind_other_operators_become_one_matmul() -> None:
+    from worker.build import expand_kv_heads
+
+    mod = rotary_gqa_module()
+    out, rewrites = normalize(mod, OPTS)
+    (rw,) = [r for r in rewrites if r.rewrite == "combine_projections"]
+    assert f"({NQ * H}+{NKV * H}+{NKV * H} columns)" in rw.message
+    assert _ops(out).count("relax.matmul") == 1
+    assert _ops(out).count("relax.strided_slice") >= 3
+    args = [_rnd(B * S, C)] + [_rnd(n * H, C, seed=i) * 0.2 for i, n in enumerate((NQ, NKV, NKV))]
+    _same_meaning(expand_kv_heads(mod), expand_kv_heads(out), args)
+
+
+def test_projections_of_different_inputs_stay_apart() -> None:
+    """Cross-attention: q from one input, k and v from another."""
+    out, rewrites = normalize(rotary_gqa_module(cross=True), OPTS)
+    assert "combine_projections" not in _names(rewrites)
+    assert _ops(out).count("relax.matmul") == 3
