@@ -76,8 +76,7 @@ AS_USED: dict[str, tuple[str, str]] = {
     "bert_proj": ("k_major", "bias_residual"),
     "bert_fc": ("k_major", "bias_gelu"),
     "bert_fc2": ("k_major", "bias_residual"),
-    "llama_q": ("k_major", "none"),
-    "llama_kv": ("k_major", "none"),
+    "llama_qkv": ("k_major", "none"),  # q/k/v as one GEMM (normalize's combine_projections)
     "llama_o": ("k_major", "residual"),
     "llama_gate": ("k_major", "none"),
     "llama_up": ("k_major", "silu_gate"),
