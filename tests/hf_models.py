@@ -82,12 +82,31 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "max_position_embeddings": 4096,
         },
     ),
+    # the same architecture in 2 narrow layers (GQA 8/2), for the sm_80 GEMM numerics check
+    "llama_small": (
+        "LlamaModel",
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "intermediate_size": 1408,
+            "vocab_size": 8192,
+            "max_position_embeddings": 1024,
+        },
+    ),
 }
 
 
 #: weight scale of the real-size models (their configs' initializer_range); the small ones
 #: keep 0.05, which their tests' tolerances were set with
-INIT_STD: dict[str, float] = {"gpt2_small": 0.02, "bert_base": 0.02, "llama": 0.02}
+INIT_STD: dict[str, float] = {
+    "gpt2_small": 0.02,
+    "bert_base": 0.02,
+    "llama": 0.02,
+    "llama_small": 0.02,
+}
 
 
 def build(name: str, seed: int = 0, **overrides: Any) -> Any:

@@ -515,10 +515,12 @@ class GemmPartition:
 def _not_offered(arch: str, options: CompileOptions) -> str | None:
     if not options.offload_gemm:
         return "options.offload_gemm is false"
-    if arch != "sm_90":
+    from worker.gemm_sites import family_for
+
+    if family_for(arch) is None:
         return (
-            f"target arch {arch}: the CUTLASS GEMMs are built for sm_90 (Hopper) only; on "
-            "other archs every matmul stays in TVM"
+            f"target arch {arch}: the CUTLASS GEMMs are built for sm_90 (Hopper) and sm_80/86/89 "
+            "(Ampere, Ada); on other archs every matmul stays in TVM"
         )
     return None
 

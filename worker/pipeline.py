@@ -121,7 +121,7 @@ def compile_module(
         from worker import (
             build,
             gemm_partition,
-            gemm_sm90,
+            gemm_sites,
             lift,
             normalize,
             nvcc,
@@ -165,7 +165,7 @@ def compile_module(
             }
             chosen.update(
                 {
-                    ff.gvar.name_hint: gemm_sm90.select_kernel(ff.spec, target.arch)
+                    ff.gvar.name_hint: gemm_sites.select_kernel(ff.spec, target.arch)
                     for ff in gemms.functions
                 }
             )
@@ -200,7 +200,7 @@ def compile_module(
                 cache_hit=ck.cache_hit,
             )
         report.summary.gemm_configurations = len(
-            {ks.needs[0].symbol for ks, _ in chosen.values() if ks.family == gemm_sm90.FAMILY}
+            {ks.needs[0].symbol for ks, _ in chosen.values() if ks.family in gemm_sites.families()}
         )
 
         say("build")

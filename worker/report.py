@@ -39,7 +39,9 @@ class Layout(BaseModel):
 
 
 class KernelChoice(BaseModel):
-    family: Literal["cutlass_fmha_sm80", "cutlass_fmha_hopper", "cutlass_gemm_sm90"]
+    family: Literal[
+        "cutlass_fmha_sm80", "cutlass_fmha_hopper", "cutlass_gemm_sm90", "cutlass_gemm_sm80"
+    ]
     symbol: str
     reason: str
     config: dict[str, int | bool | str] = Field(default_factory=dict)

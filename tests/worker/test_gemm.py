@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service.spec import CompileOptions
-from worker import gemm_partition, gemm_selection, gemm_sm90, lift, normalize
+from worker import gemm_partition, gemm_selection, gemm_sites, gemm_sm80, gemm_sm90, lift, normalize
 from worker.gemm import weight_spec
 from worker.toolchain import import_tvm
 
@@ -181,7 +181,7 @@ def test_an_intermediate_read_elsewhere_stays_out_of_the_epilogue() -> None:
 @pytest.mark.parametrize(
     ("arch", "options", "words"),
     [
-        ("sm_80", OPTS, "sm_90 (Hopper) only"),
+        ("sm_75", OPTS, "on other archs every matmul stays in TVM"),
         ("sm_90", CompileOptions(offload_gemm=False), "offload_gemm is false"),
     ],
 )
@@ -192,6 +192,42 @@ def test_gemm_offload_off_or_elsewhere_is_reported(
     (entry,) = res.entries
     assert not entry.offloaded and words in entry.reason
     assert not res.functions
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
+def test_ampere_class_archs_offload_to_the_cutlass_2_family(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    res = _gemms(linear_module(act="gelu"), arch)
+    assert not res.entries[0].offloaded  # experimental: off unless asked for
+    monkeypatch.setenv(gemm_sites.SM80_ENV, "1")
+    res = _gemms(linear_module(act="gelu"), arch)
+    (entry,) = res.entries
+    assert entry.offloaded, entry.reason
+    (ff,) = res.functions
+    ks, reason = gemm_sites.select_kernel(ff.spec, arch)
+    assert ks.family == gemm_sm80.FAMILY
+    assert f"CUTLASS 2 tensor-op GEMM for {arch}" in reason and "bias + gelu" in reason
+    (cfg,) = ks.needs
+    # one sm_80 object (with its PTX) serves every Ampere-class arch
+    assert cfg.flags[0] == gemm_sm80.GENCODE
+    assert "GELU>" not in cfg.source and "cutlass::epilogue::thread::GELU, false>" in cfg.source
+    # the glue is the Hopper family's, calling another configuration
+    hopper, _ = gemm_sites.select_kernel(ff.spec, "sm_90")
+    assert hopper.family == gemm_sm90.FAMILY and hopper.symbol != ks.symbol
+    assert hopper.needs[0].symbol != cfg.symbol
+
+
+def test_ampere_tiles_shrink_for_small_outputs() -> None:
+    big = weight_spec(dtype="float16", m=8192, n=3072, k=768, b_kmajor=True)
+    small = weight_spec(dtype="float16", m=256, n=768, k=768, b_kmajor=True)
+    assert gemm_sm80.select(big)[0].name == "tb128x256_w64x64_s3"
+    tile, why = gemm_sm80.select(small)
+    assert (tile.m, tile.n) == (64, 64) and "not measured on sm_80-class hardware" in why
+    gate = weight_spec(dtype="bfloat16", m=2048, n=1408, k=512, b_kmajor=True, gate=True)
+    ks, _ = gemm_sm80.select_kernel(gate, "sm_80")
+    assert "stackfuse::gemm::SiLuGate, true>" in ks.needs[0].source
+    assert ks.needs[0].symbol in {c.symbol for c in gemm_sm80.selected_configs(("bfloat16",))}
 
 
 def test_tanh_gelu_chain_becomes_one_operator() -> None:
@@ -432,3 +468,18 @@ def test_one_gemm_configuration_and_its_glue_compile() -> None:
     assert ck.object_path.stat().st_size > 0
     (cfg_obj,) = ck.needs
     assert cfg_obj.stat().st_size > 100_000  # the CUTLASS kernel's machine code is in there
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_one_ampere_gemm_configuration_and_its_glue_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker.nvcc import compile_object
+
+    monkeypatch.setenv(gemm_sites.SM80_ENV, "1")
+    spec = weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True, residual=True)
+    ks, _ = gemm_sites.select_kernel(spec, "sm_80")
+    ck = compile_object(ks)
+    (cfg_obj,) = ck.needs
+    assert cfg_obj.stat().st_size > 100_000

@@ -58,6 +58,12 @@ inline const char* status_text(Status s) {
   return "unknown status";
 }
 
+// The Act of a gated configuration (both families): D = silu(C) * acc, C being the gate's
+// projection. SiLU runs in float32 on C as stored, like transformers'
+// act_fn(gate_proj(x)) * up_proj(x).
+template <class T>
+struct SiLuGate {};
+
 using LaunchFn = Status (*)(Problem const&, cudaStream_t, cudaError_t*);
 
 }  // namespace gemm

@@ -35,11 +35,6 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
 };
 
-// The Act of a gated configuration: D = silu(C) * acc, C being the gate's projection. SiLU runs
-// in float32 on C as stored, like transformers' act_fn(gate_proj(x)) * up_proj(x).
-template <class T>
-struct SiLuGate {};
-
 template <template <class> class Act, class ElementD, class Element>
 struct FusionOf {
   static constexpr bool kGate = false;
