@@ -767,6 +767,13 @@ def to_markdown(doc: dict[str, Any]) -> str:
     apps = {(s["pid"], s["gpu_uuid"], s.get("ppid")) for s in doc["samples"]}
     lines += [
         "",
+        "rel. error vs TVM, max abs, fused / TVM s: the report's `validation`, as the worker "
+        "wrote it (its child's random inputs). vs PyTorch: the downloaded library on the same "
+        "GPU against float32 PyTorch (attention: matmul/softmax on q/k/v cut from the stacked "
+        "tensor; GPT-2: the seeded model in eager, tolerance max(2 x eager float16 error, "
+        "5e-3)); PyTorch us is that float32 reference for attention and float16 eager for "
+        "GPT-2 (CUDA events, median of 20).",
+        "",
         f"Startup (s): {doc.get('startup_seconds')}; all jobs submitted in "
         f"{doc.get('submit_seconds')} s; service part {doc['service_seconds']} s, "
         f"whole check {doc['total_seconds']} s.",
