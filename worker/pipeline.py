@@ -260,6 +260,33 @@ def compile_module(
     return CompileResult(library=library, report_path=_write_report(report, out_dir), report=report)
 
 
+def build_reference(
+    module: bytes | str,
+    *,
+    target: Target,
+    options: CompileOptions,
+    out_dir: Path,
+    settings: Settings | None = None,
+    fmt: str = "tvm-json",
+) -> CompileResult:
+    """The validation reference of ``module``: the same input built by TVM alone (nothing
+    offloaded, see :func:`worker.validate.reference_options`) into ``out_dir/model.so``.
+
+    Needs the full compiler, not a GPU: a build host can make it beside the fused library, and a
+    GPU worker with only TVM's runtime then validates the pair (``worker.validate.validate_job``).
+    """
+    from worker import validate
+
+    return compile_module(
+        module,
+        target=target,
+        options=validate.reference_options(options),
+        out_dir=out_dir,
+        settings=settings,
+        fmt=fmt,
+    )
+
+
 def _validate(
     library: Path,
     payload: bytes,
@@ -278,12 +305,7 @@ def _validate(
         return skipped
     with tempfile.TemporaryDirectory(prefix="stackfuse-ref-") as tmp:
         ref_dir = Path(tmp)
-        ref = compile_module(
-            payload,
-            target=target,
-            options=validate.reference_options(options),
-            out_dir=ref_dir,
-            settings=settings,
-            fmt=fmt,
+        ref = build_reference(
+            payload, target=target, options=options, out_dir=ref_dir, settings=settings, fmt=fmt
         )
         return validate.compare(library, ref.library, params, settings, ref_dir)

@@ -371,30 +371,56 @@ def run_worker(settings: Settings, *, burst: bool = False) -> bool:
     return worker.work(burst=burst, with_scheduler=True, logging_level="INFO")
 
 
-def gpu_count() -> int:
-    """GPUs on this host, asked of nvidia-smi (never CUDA: a CUDA-initialized parent cannot
-    fork safely)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+def gpu_ids(env: dict[str, str] | None = None) -> list[str]:
+    """The GPUs this host lets workers use, as CUDA_VISIBLE_DEVICES entries: this process's own
+    CUDA_VISIBLE_DEVICES when set (``CUDA_VISIBLE_DEVICES=2,3 stackfuse worker`` runs on GPUs 2
+    and 3), else nvidia-smi's indices. Never asks CUDA: a CUDA-initialized parent cannot fork
+    safely."""
+    env = dict(os.environ) if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+        ids = []
+        for entry in (d.strip() for d in visible.split(",")):
+            if not entry or entry.startswith("-"):  # CUDA stops at the first invalid entry
+                break
+            ids.append(entry)
+        return ids
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0
+        return []
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        return []
+    return [
+        line.split(":", 1)[0].split()[1]
+        for line in out.splitlines()
+        if line.startswith("GPU ") and ":" in line
+    ]
+
+
+def gpu_count() -> int:
+    """GPUs on this host (see :func:`gpu_ids`)."""
+    return len(gpu_ids())
+
+
+def worker_env(index: int, ids: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment of worker ``index`` of `stackfuse worker --count N`: pinned to one GPU
+    of ``ids`` (round robin when N exceeds them), unchanged on a host without GPUs."""
+    out = dict(env)
+    if ids:
+        out["CUDA_VISIBLE_DEVICES"] = ids[index % len(ids)]
+    return out
 
 
 def run_workers(settings: Settings, count: int | None = None) -> int:
     """`stackfuse worker`: one RQ worker per GPU (one on a host without a GPU).
 
     A single worker runs in this process. Several run as child processes, each seeing one GPU
-    (CUDA_VISIBLE_DEVICES); a child that dies is restarted; SIGTERM/SIGINT are passed on.
+    (:func:`worker_env`); a child that dies is restarted; SIGTERM/SIGINT are passed on.
     """
-    gpus = gpu_count()
-    count = count or settings.worker_count or max(1, gpus)
+    ids = gpu_ids()
+    count = count or settings.worker_count or max(1, len(ids))
     if count == 1:
         run_worker(settings)
         return 0
@@ -402,9 +428,7 @@ def run_workers(settings: Settings, count: int | None = None) -> int:
     stopping = False
 
     def spawn(index: int) -> None:
-        env = dict(os.environ)
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+        env = worker_env(index, ids, dict(os.environ))
         argv = [sys.executable, "-m", "service.cli", "worker", "--count", "1"]
         children[index] = subprocess.Popen(argv, env=env)
 

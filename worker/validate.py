@@ -7,16 +7,23 @@ nothing. The child process gets no secrets (clean environment), a CPU-time and f
 and a wall-clock timeout; it loads both libraries, feeds both the same random inputs (weights
 through ``main_transform_params`` where the library lifted them), and reports the largest error
 and each library's time. Without a GPU the report says so: nothing was validated.
+
+:func:`validate_job` is the RQ task for a pair built on another host (a build host with the
+full compiler, a GPU worker with only TVM's runtime): it needs no TVM compiler, only this
+module's child.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from service.settings import Settings
+from service.settings import Settings, get_settings
 from service.spec import CompileOptions
 from worker import sandbox
 from worker.report import Validation
@@ -24,6 +31,13 @@ from worker.toolchain import has_gpu
 
 #: relative error ||out - ref|| / ||ref|| allowed per dtype
 TOLERANCE = {"float16": 2e-2, "bfloat16": 4e-2, "float32": 1e-3}
+#: integer inputs (token ids) are drawn from [0, INT_HIGH), inside any vocabulary: a float
+#: N(0, 0.25) cast to int64 gave ids of -1 and -2, gathers out of the embedding's range
+INT_HIGH = 16
+#: standard deviation of float inputs; weights of rank >= 2 get 1 / sqrt(fan-in) instead (an
+#: initialized layer's scale; in PyTorch, a 2-layer GPT-2 at batch 2 x 128 in float16 then
+#: differs from float64 by 5.2e-4 relative, 9.8e-4 with 0.5 everywhere)
+INPUT_STD = 0.5
 
 
 def signature(func: Any) -> list[dict[str, Any]]:
@@ -124,11 +138,10 @@ def _child(fused_path: str, ref_path: str, inputs_path: str, out_path: str) -> N
     fused = VirtualMachine(tvm.runtime.load_module(fused_path), dev)
     ref = VirtualMachine(tvm.runtime.load_module(ref_path), dev)
     rng = np.random.default_rng()
-    args = []
-    for p in json.loads(Path(inputs_path).read_text()):
-        shape = [d if isinstance(d, int) else 2 for d in p["shape"]]
-        data = (rng.standard_normal(shape) * 0.5).astype(p["dtype"])
-        args.append(tvm.runtime.tensor(data, dev))
+    args = [
+        tvm.runtime.tensor(_random_input(p, rng), dev)
+        for p in json.loads(Path(inputs_path).read_text())
+    ]
 
     num_input = sum(1 for p in json.loads(Path(inputs_path).read_text()) if not p.get("weight"))
 
@@ -167,7 +180,7 @@ def _child(fused_path: str, ref_path: str, inputs_path: str, out_path: str) -> N
                 "status": "passed" if worst_rel <= tol else "failed",
                 "reason": f"relative error {worst_rel:.2e} vs TVM-only reference "
                 f"(tolerance {tol:.0e})",
-                "device": "cuda:0",
+                "device": _device_text(dev),
                 "max_abs_error": worst_abs,
                 "tolerance": tol,
                 "seconds_fused": t_fused,
@@ -177,10 +190,111 @@ def _child(fused_path: str, ref_path: str, inputs_path: str, out_path: str) -> N
     )
 
 
+def _random_input(param: dict[str, Any], rng: Any) -> Any:
+    """One random input of ``param`` (a :func:`signature` entry); symbolic dims are 2."""
+    import numpy as np
+
+    shape = [d if isinstance(d, int) else 2 for d in param["shape"]]
+    dtype = np.dtype(param["dtype"]) if param["dtype"] != "bfloat16" else None
+    if dtype is not None and dtype.kind in "iub":
+        return rng.integers(0, 2 if dtype.kind == "b" else INT_HIGH, size=shape).astype(dtype)
+    std = INPUT_STD
+    if param.get("weight") and len(shape) >= 2:
+        std = 1.0 / np.sqrt(max(1, min(shape[-2:])))
+    return (rng.standard_normal(shape) * std).astype(param["dtype"])
+
+
+def _device_text(dev: Any) -> str:
+    """Which GPU ran it: the process sees ``cuda:0``, CUDA_VISIBLE_DEVICES says which one."""
+    try:
+        name = str(dev.device_name)
+    except Exception:  # an older runtime without the attribute
+        name = "GPU"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    return f"cuda:0 ({name}; CUDA_VISIBLE_DEVICES={visible})"
+
+
 def _flatten(x: Any) -> list[Any]:
     if hasattr(x, "numpy"):
         return [x]
     return [y for item in x for y in _flatten(item)]
+
+
+# --- the RQ task for a library built elsewhere --------------------------------------------------
+def validate_job(
+    job_id: str, input_sha256: str, spec: dict[str, Any], built: dict[str, str]
+) -> dict[str, Any]:
+    """Validate a library another host built, as the job ``job_id``'s whole work.
+
+    ``built`` names stored objects by sha256: ``artifact`` (the fused library), ``reference``
+    (:func:`worker.pipeline.build_reference` of the same input), ``report`` (the build's
+    report, validation not run) and ``signature`` (:func:`signature` of the input's ``main``).
+    The stored report gets this worker's ``validation`` and becomes the job's report, as in
+    :func:`worker.tasks.compile_job`; a failed comparison fails the job the same way.
+    """
+    from rq import get_current_job
+
+    from service.errors import CompileError, StackfuseError
+    from service.jobs import JobRecords
+    from service.storage import LocalStore
+    from worker.report import Report
+
+    settings = get_settings()
+    rq_job = get_current_job()
+    assert rq_job is not None, "validate_job runs inside an RQ work-horse"
+    records = JobRecords(rq_job.connection, settings)
+    attempt = records.start(
+        job_id,
+        worker=os.environ.get("RQ_WORKER_ID") or str(getattr(rq_job, "worker_name", "") or ""),
+        pid=os.getpid(),
+        worker_pid=os.getppid(),
+    )
+    if attempt == 0:
+        return {"status": "already-finished"}
+    store = LocalStore.for_data_dir(settings.data_dir, fsync=settings.store_fsync)
+    work = settings.data_dir / "work" / f"{job_id}.{attempt}"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        records.progress(job_id, "validate", 0.92, f"CUDA_VISIBLE_DEVICES={visible}")
+        options = CompileOptions.model_validate(spec["options"])
+        with store.open(built["report"]) as f:
+            report = Report.model_validate_json(f.read())
+        with store.open(built["signature"]) as f:
+            params = json.loads(f.read())
+        library, reference = work / "model.so", work / "reference.so"
+        for sha, path in ((built["artifact"], library), (built["reference"], reference)):
+            with store.open(sha) as src, path.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        t0 = time.monotonic()
+        report.validation = not_run(options, settings) or compare(
+            library, reference, params, settings, work
+        )
+        report.timings["validate"] = round(time.monotonic() - t0, 4)
+        report_sha = store.put_bytes(report.model_dump_json(indent=2).encode())
+        if report.validation.status == "failed":
+            records.fail(
+                job_id,
+                CompileError(
+                    f"the built library disagrees with the reference: {report.validation.reason}"
+                ),
+                report_sha256=report_sha,
+            )
+            rq_job.retries_left = 0
+            return {"status": "failed", "validation": "failed"}
+        records.succeed(job_id, artifact_sha256=built["artifact"], report_sha256=report_sha)
+        return {"status": "succeeded", "validation": report.validation.status}
+    except Exception as exc:  # nothing here is worth a retry: the inputs are fixed
+        err = (
+            exc
+            if isinstance(exc, StackfuseError)
+            else StackfuseError(f"validation job failed ({type(exc).__name__}: {exc})"[:500])
+        )
+        records.fail(job_id, err)
+        rq_job.retries_left = 0
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
