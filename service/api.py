@@ -1,38 +1,32 @@
 """HTTP routes. Thin: validation, then :mod:`service.jobs` and the store do the work.
 
 Handlers stay cheap for the event loop: the body is hashed once, Redis is asked at most twice
-per request on the common paths, and anything that may block (parsing a large body, writing the
-module, RQ's sync enqueue) runs in a worker thread.
+per request on the common paths, a large body is decoded and checked in a child process
+(:mod:`service.intake`), and writing the module runs in a worker thread.
 """
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
-from service import jobs
+from service import intake, jobs
 from service.errors import (
     InfrastructureError,
-    InvalidRequest,
-    MalformedJSON,
     NotFound,
     NotReady,
     RequestError,
-    UnknownTarget,
     UnsupportedMediaType,
 )
+from service.intake import Offload
 from service.problems import PROBLEM_MEDIA_TYPE
 from service.schemas import TERMINAL, Health, JobView, OptimizeRequest, Problem
-from service.settings import Settings
-from service.spec import SUPPORTED_ARCHS
+from service.settings import Settings, redact_url
 from service.state import AppState
-from service.wire import check_module_json
 
 
 # async on purpose: FastAPI runs a sync dependency in the thread pool, a hop per request
@@ -78,45 +72,24 @@ def _check_media_type(request: Request) -> None:
         )
 
 
-def _decode(body: bytes, settings: Settings, toolchain: str) -> tuple[jobs.Submission, bytes]:
-    """Parse, validate and hash one POST /optimize body. Pure CPU; may run in a thread."""
+async def _read_body(request: Request) -> bytearray:
+    """The body, in one buffer that grows in place (Starlette's ``request.body()`` would join a
+    copy and keep it on the request). The size limit is BodyLimit's, applied as it streams."""
+    body = bytearray()
     try:
-        data = json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise MalformedJSON(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
-    except json.JSONDecodeError as exc:
-        raise MalformedJSON(
-            f"the body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(
-            f"the body must be a JSON object with a 'module' string, not a {type(data).__name__}"
-        )
-    try:
-        request = OptimizeRequest.model_validate(data)
-    except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
-        if any(e["loc"] and e["loc"][0] == "target" for e in errors):
-            raise UnknownTarget(
-                f"unknown target {json.dumps(data.get('target'))[:200]}; "
-                f"supported archs: {', '.join(SUPPORTED_ARCHS)}",
-                supported=list(SUPPORTED_ARCHS),
-                errors=errors,
-            ) from None
-        raise InvalidRequest(
-            "the body does not have the shape POST /optimize takes: "
-            + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors),
-            errors=errors,
-        ) from None
-    try:
-        module_bytes = request.module.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest("'module' contains unpaired UTF-16 surrogates") from None
-    if request.format == "tvm-json":
-        # structural check of the TVM JSON graph, without TVM (InputError subclasses: 413/422);
-        # TVMScript is checked by the worker's ingest
-        check_module_json(request.module, settings)
-    return jobs.prepare(request, module_bytes, toolchain), module_bytes
+        async for chunk in request.stream():
+            body += chunk
+    except ClientDisconnect:
+        raise RequestError("the client went away before the body was complete") from None
+    return body
+
+
+def _offload(request: Request, settings: Settings) -> Offload:
+    app_state = request.app.state
+    offload: Offload | None = getattr(app_state, "stackfuse_offload", None)
+    if offload is None:
+        offload = app_state.stackfuse_offload = Offload(settings)
+    return offload
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -151,11 +124,11 @@ async def optimize(request: Request, state: StateDep) -> Response:
         raise RequestError(
             f"Idempotency-Key must be 1 to {settings.max_idempotency_key_chars} characters"
         )
-    body = await request.body()
-    if len(body) > settings.parse_in_thread_bytes:
-        sub, module_bytes = await anyio.to_thread.run_sync(_decode, body, settings, state.toolchain)
+    body = await _read_body(request)
+    if len(body) > settings.parse_in_process_bytes:
+        sub, module_bytes = await _offload(request, settings).decode(body, state.toolchain)
     else:
-        sub, module_bytes = _decode(body, settings, state.toolchain)
+        sub, module_bytes = intake.decode(body, settings, state.toolchain)
     del body
 
     record, replayed = await jobs.submit(
@@ -298,7 +271,7 @@ async def readyz(state: StateDep) -> dict[str, Any]:
             beats = await pipe.execute()
     except Exception as exc:
         raise InfrastructureError(
-            f"Redis at {_redacted(settings.redis_url)} does not answer: {type(exc).__name__}"
+            f"Redis at {redact_url(settings.redis_url)} does not answer: {type(exc).__name__}"
         ) from None
     now = datetime.now(UTC)
     alive = 0
@@ -314,11 +287,3 @@ async def readyz(state: StateDep) -> dict[str, Any]:
             workers=0,
         )
     return {"status": "ok", "checks": {"redis": "ok", "workers": alive}}
-
-
-def _redacted(url: str) -> str:
-    """The Redis URL without a password, fit for an error message."""
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
