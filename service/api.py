@@ -8,6 +8,7 @@ per request on the common paths, a large body is decoded and checked in a child 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -44,8 +45,40 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 router = APIRouter()
 
 
+_PROBLEM_SCHEMA = Problem.model_json_schema()
+
+
 def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {c: {"model": Problem, "content": {PROBLEM_MEDIA_TYPE: {}}} for c in codes}
+    """Error responses as they are sent: ``application/problem+json`` only."""
+    return {
+        c: {
+            "description": HTTPStatus(c).phrase,
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": _PROBLEM_SCHEMA}},
+        }
+        for c in codes
+    }
+
+
+def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``$defs`` substituted in place: pydantic's ``#/$defs/...`` refs
+    dangle once the schema is embedded in the OpenAPI document."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk({**defs[ref.removeprefix("#/$defs/")], **_without(node, "$ref")})
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return dict(walk(schema))
+
+
+def _without(node: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k != key}
 
 
 def _job_response(
@@ -98,11 +131,13 @@ def _offload(request: Request, settings: Settings) -> Offload:
     status_code=202,
     response_model=JobView,
     summary="Submit a module for optimization",
-    responses=_problems(400, 413, 415, 422, 503),
+    responses=_problems(400, 408, 413, 415, 422, 431, 503),
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": OptimizeRequest.model_json_schema()}},
+            "content": {
+                "application/json": {"schema": _inline_defs(OptimizeRequest.model_json_schema())}
+            },
         },
         "parameters": [
             {
@@ -153,7 +188,7 @@ async def _record(state: AppState, job_id: str) -> dict[str, str]:
     "/jobs/{job_id}",
     response_model=JobView,
     summary="Job status",
-    responses=_problems(404, 503),
+    responses=_problems(404, 422, 503),
 )
 async def get_job(job_id: str, state: StateDep) -> Response:
     """Status, stage and progress; links to the artifact and report once there."""
@@ -199,7 +234,7 @@ def _serve_object(
     responses={
         200: {"content": {"application/octet-stream": {}}, "description": "the .so"},
         304: {"description": "If-None-Match matched the ETag (the library's sha256)"},
-        **_problems(404, 409),
+        **_problems(404, 409, 422, 503),
     },
 )
 async def get_artifact(
@@ -227,7 +262,7 @@ async def get_artifact(
     response_class=Response,
     responses={
         200: {"content": {"application/json": {}}, "description": "worker.report.Report"},
-        **_problems(404, 409),
+        **_problems(404, 409, 422, 503),
     },
 )
 async def get_report(
