@@ -23,7 +23,7 @@ from service.errors import (
     RequestError,
     UnsupportedMediaType,
 )
-from service.intake import Offload
+from service.intake import Offload, Spool
 from service.problems import PROBLEM_MEDIA_TYPE
 from service.schemas import TERMINAL, Health, JobView, OptimizeRequest, Problem
 from service.settings import Settings, redact_url
@@ -105,16 +105,15 @@ def _check_media_type(request: Request) -> None:
         )
 
 
-async def _read_body(request: Request) -> bytearray:
-    """The body, in one buffer that grows in place (Starlette's ``request.body()`` would join a
-    copy and keep it on the request). The size limit is BodyLimit's, applied as it streams."""
-    body = bytearray()
+async def _read_body(request: Request, spool: Spool) -> None:
+    """Stream the body into ``spool`` (Starlette's ``request.body()`` would join a copy and keep
+    it on the request). The size limit is BodyLimit's, applied as it streams."""
     try:
         async for chunk in request.stream():
-            body += chunk
+            spool.write(chunk)
     except ClientDisconnect:
         raise RequestError("the client went away before the body was complete") from None
-    return body
+    spool.finish()
 
 
 def _offload(request: Request, settings: Settings) -> Offload:
@@ -159,12 +158,17 @@ async def optimize(request: Request, state: StateDep) -> Response:
         raise RequestError(
             f"Idempotency-Key must be 1 to {settings.max_idempotency_key_chars} characters"
         )
-    body = await _read_body(request)
-    if len(body) > settings.parse_in_process_bytes:
-        sub, module_bytes = await _offload(request, settings).decode(body, state.toolchain)
-    else:
-        sub, module_bytes = intake.decode(body, settings, state.toolchain)
-    del body
+    spool = Spool(settings.parse_in_process_bytes)
+    try:
+        await _read_body(request, spool)
+        if spool.path is not None:
+            sub, module_bytes = await _offload(request, settings).decode(
+                spool.path, state.toolchain
+            )
+        else:
+            sub, module_bytes = intake.decode(spool.buffer, settings, state.toolchain)
+    finally:
+        spool.close()
 
     record, replayed = await jobs.submit(
         state.redis, state.queue, state.store, settings, sub, module_bytes, idem

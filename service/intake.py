@@ -7,21 +7,26 @@ worker's AST allow-list (:mod:`worker.tvmscript_allowlist`, which imports no TVM
 
 Every step is CPU-bound and most are single C calls over the whole body (regex, ``json.loads``,
 ``ast.parse``) that hold the GIL for their duration, so a thread would still stall the event
-loop. Bodies over ``parse_in_process_bytes`` are therefore decoded in a child process
-(:class:`Offload`): the API's event loop only moves bytes, and ``/healthz`` answers meanwhile. The
-child runs under ``RLIMIT_AS`` (``parse_memory_bytes``), so a body that costs too much to parse
+loop. Bodies over ``parse_in_process_bytes`` are therefore spooled to a temporary file as they
+arrive (:class:`Spool`) and decoded in a child process (:class:`Offload`): the API's event loop
+only moves bytes, holds none of a large body, and ``/healthz`` answers meanwhile. The child runs
+under ``RLIMIT_AS`` (``parse_memory_bytes``), so a body that costs too much to parse
 is a 413, not a machine out of memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
+import os
 import resource
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -145,11 +150,11 @@ def _child_init(memory_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
 
-def _decode_in_child(
-    body: bytes | bytearray, settings: Settings, toolchain: str
-) -> tuple[jobs.Submission, bytes]:
+def _decode_file(path: str, settings: Settings, toolchain: str) -> tuple[jobs.Submission, str]:
+    """In the child: decode the spooled body at ``path``; the module's bytes go to a file beside
+    it (``<path>.module``), which the API reads back, instead of through the result pipe."""
     try:
-        return decode(body, settings, toolchain)
+        sub, module_bytes = decode(Path(path).read_bytes(), settings, toolchain)
     except MemoryError:
         raise LimitExceeded(
             f"checking this body needs more than {settings.parse_memory_bytes} bytes of memory "
@@ -157,6 +162,51 @@ def _decode_in_child(
             setting="parse_memory_bytes",
             limit=settings.parse_memory_bytes,
         ) from None
+    out = path + ".module"
+    Path(out).write_bytes(module_bytes)
+    return sub, out
+
+
+class Spool:
+    """A request body as it streams in: in memory up to ``limit`` bytes, then in a temporary
+    file (``TMPDIR``), so a large body is never held in the API process."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffer = bytearray()
+        self.size = 0
+        self.path: str | None = None
+        self._fd: int | None = None
+
+    def write(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self._fd is None and self.size <= self.limit:
+            self.buffer += chunk
+            return
+        if self._fd is None:
+            self._fd, self.path = tempfile.mkstemp(prefix="stackfuse-body-")
+            self._write_all(bytes(self.buffer))
+            self.buffer = bytearray()
+        self._write_all(chunk)
+
+    def _write_all(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def finish(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        self.finish()
+        if self.path is not None:
+            for name in (self.path, self.path + ".module"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
+            self.path = None
 
 
 class Offload:
@@ -179,14 +229,15 @@ class Offload:
             )
         return self._pool
 
-    async def decode(
-        self, body: bytes | bytearray, toolchain: str
-    ) -> tuple[jobs.Submission, bytes]:
+    async def decode(self, path: str, toolchain: str) -> tuple[jobs.Submission, bytes]:
+        """Decode the spooled body at ``path`` in a child; the module bytes come back."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(
-                self._executor(), _decode_in_child, body, self.settings, toolchain
+            sub, module_path = await loop.run_in_executor(
+                self._executor(), _decode_file, path, self.settings, toolchain
             )
+            module_bytes = await loop.run_in_executor(None, Path(module_path).read_bytes)
+            return sub, module_bytes
         except BrokenProcessPool:
             log.warning("a body-decoding child process died; starting a new pool")
             self.close()

@@ -36,6 +36,8 @@ from service.settings import Settings, get_settings
 log = logging.getLogger("stackfuse.api")
 
 _IDLE, _HEAD, _BODY = "idle", "head", "body"
+#: How long a refused connection is still read (and dropped) before it is closed.
+_LINGER_S = 2.0
 
 
 class _Refused(Exception):
@@ -55,6 +57,7 @@ class ProblemHTTPProtocol(HttpToolsProtocol):
         self._refusal: RequestError | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._discarding = False  # refused: what still arrives is read and dropped
 
     # -- connection -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -68,6 +71,8 @@ class ProblemHTTPProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
         self._unset_keepalive_if_required()
         if self._phase == _HEAD:
             self._head_raw += len(data)
@@ -161,7 +166,19 @@ class ProblemHTTPProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the application's receive() sees http.disconnect
             cycle.message_event.set()
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after the answer, reading (and dropping) what the client still sends for a
+        moment: closing with unread input makes the kernel send a reset, which can destroy the
+        answer before the client reads it."""
+        self._discarding = True
+        if self.transport.is_closing() or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
     # -- timers -----------------------------------------------------------------------------
     def _set_deadline(self, seconds: float, what: str) -> None:
