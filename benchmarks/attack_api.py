@@ -189,7 +189,11 @@ def attacks() -> dict[str, list[bytes]]:
 def _window(probe: Probe, sampler: Sampler, start: float, end: float) -> dict[str, Any]:
     lat = sorted(ms for t, ms in probe.samples if start <= t <= end)
     mem = [(a, k) for t, a, k in sampler.samples if start <= t <= end]
-    q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [float("nan")] * 99
+    q = (
+        statistics.quantiles(lat, n=100, method="inclusive")
+        if len(lat) >= 2
+        else [float("nan")] * 99
+    )
     return {
         "healthz_requests": len(lat),
         "healthz_p50_ms": round(q[49], 2),

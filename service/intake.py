@@ -233,9 +233,12 @@ class Offload:
         """Decode the spooled body at ``path`` in a child; the module bytes come back."""
         loop = asyncio.get_running_loop()
         try:
-            sub, module_path = await loop.run_in_executor(
-                self._executor(), _decode_file, path, self.settings, toolchain
+            # submit() from a thread: it starts child processes when the pool has none idle
+            # (the first one also the forkserver), which blocks for as long as that takes
+            future = await loop.run_in_executor(
+                None, self._executor().submit, _decode_file, path, self.settings, toolchain
             )
+            sub, module_path = await asyncio.wrap_future(future)
             module_bytes = await loop.run_in_executor(None, Path(module_path).read_bytes)
             return sub, module_bytes
         except BrokenProcessPool:
