@@ -9,6 +9,7 @@ never loads TVM.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import socket
 from collections.abc import Callable, Iterable
@@ -336,6 +337,24 @@ def test_module_past_the_value_limit_is_refused_before_it_is_parsed(
         assert problem["setting"] == "max_json_depth" and problem["actual"] == 65
         assert c.get("/healthz").status_code == 200
     assert redis_server.client().llen("rq:queue:stackfuse") == before
+
+
+def test_large_bodies_are_spooled_and_the_spool_is_removed(
+    start_api: Callable[..., ApiProcess], tmp_path: Path, fresh_module: Callable[[], str]
+) -> None:
+    """Bodies over parse_in_process_bytes go through a temporary file (and the decoding child)
+    whether accepted or refused; no file is left behind."""
+    spooling = start_api(TMPDIR=str(tmp_path))
+    with spooling.client() as c:
+        module = fresh_module() + " " * 40_000
+        accepted = c.post("/optimize", json=body(module))
+        assert accepted.status_code == 202, accepted.text
+        assert c.get(accepted.headers["location"]).json()["input_sha256"] == (
+            hashlib.sha256(module.encode()).hexdigest()
+        )
+        refused = c.post("/optimize", json=body("[" * 30_000 + "]" * 30_000))
+        assert_problem(refused, 413, "limit-exceeded")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("stackfuse-body-")]
 
 
 def test_tvmscript_is_checked_at_the_api(
