@@ -483,6 +483,25 @@ def test_readyz_never_shows_the_redis_password(
         assert "hunter2" not in r.text and "127.0.0.1:1" in r.text
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:hunter2@h:1/0", "redis://***@h:1/0"),
+        ("redis://u:hun@ter2@h/0", "redis://***@h/0"),
+        ("redis://h/0?password=hunter2&db=1", "redis://h/0?password=***&db=1"),
+        ("rediss://h/0?PASSWORD=hunter2", "rediss://h/0?PASSWORD=***"),
+        ("unix:///run/r.sock?db=0&password=hunter2", "unix:///run/r.sock?db=0&password=***"),
+        ("redis://h/0#hunter2", "redis://h/0"),
+        ("redis://[::1/0?password=hunter2", "***"),
+    ],
+)
+def test_redact_url_hides_every_credential_form(url: str, shown: str) -> None:
+    from service.settings import redact_url
+
+    assert redact_url(url) == shown
+
+
 def test_openapi_refs_resolve_and_errors_are_problem_json(client: httpx.Client) -> None:
     doc = client.get("/openapi.json").json()
 
