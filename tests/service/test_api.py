@@ -357,6 +357,23 @@ def test_large_bodies_are_spooled_and_the_spool_is_removed(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("stackfuse-body-")]
 
 
+def test_a_body_the_decoding_child_cannot_afford_is_a_problem_not_a_crash(
+    start_api: Callable[..., ApiProcess],
+) -> None:
+    """Under a tiny RLIMIT_AS the child fails (MemoryError: 413 naming parse_memory_bytes, or
+    dies: 503); either way the API answers, and decodes the next large body with a new child."""
+    starved = start_api(STACKFUSE_PARSE_MEMORY_BYTES=str(50 * 1024 * 1024))
+    with starved.client() as c:
+        module = "[" + ",".join(["[[1,2],[3,4]]"] * 120_000) + "]"
+        r = c.post("/optimize", json=body(module))
+        assert r.status_code in (413, 503) and r.headers["content-type"] == PROBLEM, r.text
+        if r.status_code == 413:
+            assert r.json()["setting"] == "parse_memory_bytes"
+        assert c.get("/healthz").status_code == 200
+        again = c.post("/optimize", json=body("[" * 70 + "]" * 70 + " " * 20_000))
+        assert_problem(again, 413, "limit-exceeded")
+
+
 def test_tvmscript_is_checked_at_the_api(
     start_api: Callable[..., ApiProcess], redis_server: RedisServer
 ) -> None:
