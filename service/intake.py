@@ -71,10 +71,14 @@ def decode(
             limit=exc.detail["limit"],
             actual=exc.detail["actual"],
         ) from None
-    try:
-        data = json.loads(body)
+    try:  # UTF-8 only (RFC 8259): json.loads of bytes would also take UTF-16 and UTF-32
+        text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedJSON(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    del body  # the child's copy is freed here (the caller holds none)
+    try:
+        data = json.loads(text)
+        del text
     except json.JSONDecodeError as exc:
         raise MalformedJSON(
             f"the body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"

@@ -441,15 +441,17 @@ def _parse(raw: bytes, settings: Settings) -> Any:
         depth_setting="max_json_depth",
         values_setting="max_json_values",
     )
+    try:  # UTF-8 only: json.loads of bytes would also take UTF-16 and UTF-32
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedJSON(f"body is not UTF-8 (byte {exc.start})", position=exc.start) from None
     try:
         return json.loads(
-            raw,
+            text,
             object_pairs_hook=_no_duplicate_keys,
             parse_constant=_no_constant,
             parse_float=_finite_float,
         )
-    except UnicodeDecodeError as exc:
-        raise MalformedJSON(f"body is not UTF-8 (byte {exc.start})", position=exc.start) from None
     except json.JSONDecodeError as exc:
         raise MalformedJSON(
             f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
