@@ -181,10 +181,17 @@ class ProblemHTTPProtocol(HttpToolsProtocol):
         self.loop.call_later(_LINGER_S, self.transport.close)
 
     # -- timers -----------------------------------------------------------------------------
-    def _set_deadline(self, seconds: float, what: str) -> None:
+    def _set_deadline(self, seconds: float, what: str, after: float | None = None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        self._deadline = self.loop.call_later(seconds, self._expired, what, seconds)
+        wait = seconds if after is None else after
+        self._deadline = self.loop.call_later(wait, self._deadline_expired, what, seconds)
+
+    def _deadline_expired(self, what: str, seconds: float) -> None:
+        if self.flow.read_paused:  # e.g. a pipelined request waiting for the one before it
+            self._set_deadline(seconds, what, after=1.0)
+            return
+        self._expired(what, seconds)
 
     def _arm_idle(self) -> None:
         if self._idle is not None:
