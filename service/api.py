@@ -1,38 +1,33 @@
 """HTTP routes. Thin: validation, then :mod:`service.jobs` and the store do the work.
 
 Handlers stay cheap for the event loop: the body is hashed once, Redis is asked at most twice
-per request on the common paths, and anything that may block (parsing a large body, writing the
-module, RQ's sync enqueue) runs in a worker thread.
+per request on the common paths, a large body is decoded and checked in a child process
+(:mod:`service.intake`), and writing the module runs in a worker thread.
 """
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
-from service import jobs
+from service import intake, jobs
 from service.errors import (
     InfrastructureError,
-    InvalidRequest,
-    MalformedJSON,
     NotFound,
     NotReady,
     RequestError,
-    UnknownTarget,
     UnsupportedMediaType,
 )
+from service.intake import Offload, Spool
 from service.problems import PROBLEM_MEDIA_TYPE
 from service.schemas import TERMINAL, Health, JobView, OptimizeRequest, Problem
-from service.settings import Settings
-from service.spec import SUPPORTED_ARCHS
+from service.settings import Settings, redact_url
 from service.state import AppState
-from service.wire import check_module_json
 
 
 # async on purpose: FastAPI runs a sync dependency in the thread pool, a hop per request
@@ -50,8 +45,40 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 router = APIRouter()
 
 
+_PROBLEM_SCHEMA = Problem.model_json_schema()
+
+
 def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {c: {"model": Problem, "content": {PROBLEM_MEDIA_TYPE: {}}} for c in codes}
+    """Error responses as they are sent: ``application/problem+json`` only."""
+    return {
+        c: {
+            "description": HTTPStatus(c).phrase,
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": _PROBLEM_SCHEMA}},
+        }
+        for c in codes
+    }
+
+
+def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``$defs`` substituted in place: pydantic's ``#/$defs/...`` refs
+    dangle once the schema is embedded in the OpenAPI document."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk({**defs[ref.removeprefix("#/$defs/")], **_without(node, "$ref")})
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return dict(walk(schema))
+
+
+def _without(node: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if k != key}
 
 
 def _job_response(
@@ -78,45 +105,23 @@ def _check_media_type(request: Request) -> None:
         )
 
 
-def _decode(body: bytes, settings: Settings, toolchain: str) -> tuple[jobs.Submission, bytes]:
-    """Parse, validate and hash one POST /optimize body. Pure CPU; may run in a thread."""
+async def _read_body(request: Request, spool: Spool) -> None:
+    """Stream the body into ``spool`` (Starlette's ``request.body()`` would join a copy and keep
+    it on the request). The size limit is BodyLimit's, applied as it streams."""
     try:
-        data = json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise MalformedJSON(f"the body is not UTF-8: {exc.reason} at byte {exc.start}") from None
-    except json.JSONDecodeError as exc:
-        raise MalformedJSON(
-            f"the body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(
-            f"the body must be a JSON object with a 'module' string, not a {type(data).__name__}"
-        )
-    try:
-        request = OptimizeRequest.model_validate(data)
-    except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
-        if any(e["loc"] and e["loc"][0] == "target" for e in errors):
-            raise UnknownTarget(
-                f"unknown target {json.dumps(data.get('target'))[:200]}; "
-                f"supported archs: {', '.join(SUPPORTED_ARCHS)}",
-                supported=list(SUPPORTED_ARCHS),
-                errors=errors,
-            ) from None
-        raise InvalidRequest(
-            "the body does not have the shape POST /optimize takes: "
-            + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors),
-            errors=errors,
-        ) from None
-    try:
-        module_bytes = request.module.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest("'module' contains unpaired UTF-16 surrogates") from None
-    if request.format == "tvm-json":
-        # structural check of the TVM JSON graph, without TVM (InputError subclasses: 413/422);
-        # TVMScript is checked by the worker's ingest
-        check_module_json(request.module, settings)
-    return jobs.prepare(request, module_bytes, toolchain), module_bytes
+        async for chunk in request.stream():
+            spool.write(chunk)
+    except ClientDisconnect:
+        raise RequestError("the client went away before the body was complete") from None
+    spool.finish()
+
+
+def _offload(request: Request, settings: Settings) -> Offload:
+    app_state = request.app.state
+    offload: Offload | None = getattr(app_state, "stackfuse_offload", None)
+    if offload is None:
+        offload = app_state.stackfuse_offload = Offload(settings)
+    return offload
 
 
 # --- routes -----------------------------------------------------------------------------------
@@ -125,11 +130,13 @@ def _decode(body: bytes, settings: Settings, toolchain: str) -> tuple[jobs.Submi
     status_code=202,
     response_model=JobView,
     summary="Submit a module for optimization",
-    responses=_problems(400, 413, 415, 422, 503),
+    responses=_problems(400, 408, 413, 415, 422, 431, 503),
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": OptimizeRequest.model_json_schema()}},
+            "content": {
+                "application/json": {"schema": _inline_defs(OptimizeRequest.model_json_schema())}
+            },
         },
         "parameters": [
             {
@@ -151,12 +158,17 @@ async def optimize(request: Request, state: StateDep) -> Response:
         raise RequestError(
             f"Idempotency-Key must be 1 to {settings.max_idempotency_key_chars} characters"
         )
-    body = await request.body()
-    if len(body) > settings.parse_in_thread_bytes:
-        sub, module_bytes = await anyio.to_thread.run_sync(_decode, body, settings, state.toolchain)
-    else:
-        sub, module_bytes = _decode(body, settings, state.toolchain)
-    del body
+    spool = Spool(settings.parse_in_process_bytes)
+    try:
+        await _read_body(request, spool)
+        if spool.path is not None:
+            sub, module_bytes = await _offload(request, settings).decode(
+                spool.path, state.toolchain
+            )
+        else:
+            sub, module_bytes = intake.decode(spool.buffer, settings, state.toolchain)
+    finally:
+        spool.close()
 
     record, replayed = await jobs.submit(
         state.redis, state.queue, state.store, settings, sub, module_bytes, idem
@@ -180,7 +192,7 @@ async def _record(state: AppState, job_id: str) -> dict[str, str]:
     "/jobs/{job_id}",
     response_model=JobView,
     summary="Job status",
-    responses=_problems(404, 503),
+    responses=_problems(404, 422, 503),
 )
 async def get_job(job_id: str, state: StateDep) -> Response:
     """Status, stage and progress; links to the artifact and report once there."""
@@ -226,7 +238,7 @@ def _serve_object(
     responses={
         200: {"content": {"application/octet-stream": {}}, "description": "the .so"},
         304: {"description": "If-None-Match matched the ETag (the library's sha256)"},
-        **_problems(404, 409),
+        **_problems(404, 409, 422, 503),
     },
 )
 async def get_artifact(
@@ -254,7 +266,7 @@ async def get_artifact(
     response_class=Response,
     responses={
         200: {"content": {"application/json": {}}, "description": "worker.report.Report"},
-        **_problems(404, 409),
+        **_problems(404, 409, 422, 503),
     },
 )
 async def get_report(
@@ -298,7 +310,7 @@ async def readyz(state: StateDep) -> dict[str, Any]:
             beats = await pipe.execute()
     except Exception as exc:
         raise InfrastructureError(
-            f"Redis at {_redacted(settings.redis_url)} does not answer: {type(exc).__name__}"
+            f"Redis at {redact_url(settings.redis_url)} does not answer: {type(exc).__name__}"
         ) from None
     now = datetime.now(UTC)
     alive = 0
@@ -314,11 +326,3 @@ async def readyz(state: StateDep) -> dict[str, Any]:
             workers=0,
         )
     return {"status": "ok", "checks": {"redis": "ok", "workers": alive}}
-
-
-def _redacted(url: str) -> str:
-    """The Redis URL without a password, fit for an error message."""
-    if "@" in url:
-        scheme, _, rest = url.partition("://")
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

@@ -48,6 +48,20 @@ class PayloadTooLarge(RequestError):
     status = 413
 
 
+class HeadersTooLarge(RequestError):
+    type = "headers-too-large"
+    title = "Request headers too large"
+    status = 431
+
+
+class RequestTimeout(RequestError):
+    """The client was too slow sending its request (headers or body); the connection is closed."""
+
+    type = "request-timeout"
+    title = "Request timeout"
+    status = 408
+
+
 class UnsupportedMediaType(RequestError):
     type = "unsupported-media-type"
     title = "Unsupported media type"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -48,14 +49,46 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * MiB, description="Largest POST /optimize body.")
     retry_after_s: int = Field(default=2, description="Retry-After sent while a job runs.")
     max_idempotency_key_chars: int = Field(default=255, description="Longest Idempotency-Key.")
-    parse_in_thread_bytes: int = Field(
+    parse_in_process_bytes: int = Field(
         default=16 * 1024,
-        description="Bodies larger than this are parsed and checked off the event loop "
-        "(the structural check costs ~0.3 ms per KiB).",
+        description="Bodies larger than this are decoded and checked in a child process, off "
+        "the event loop (the structural check costs ~0.3 ms per KiB).",
+    )
+    parse_processes: int = Field(
+        default=1, description="Child processes per API process that decode large bodies."
+    )
+    parse_memory_bytes: int = Field(
+        default=4 * GiB,
+        description="Address space of a decoding child (RLIMIT_AS); a body needing more is a 413.",
+    )
+    parse_tasks_per_process: int = Field(
+        default=64, description="Bodies a decoding child handles before it is replaced."
+    )
+    max_header_bytes: int = Field(
+        default=32 * 1024, description="Request line and headers of one request, in bytes (431)."
+    )
+    max_header_count: int = Field(default=100, description="Headers of one request (431).")
+    header_timeout_s: float = Field(
+        default=10.0, description="From a request's first byte to the end of its headers (408)."
+    )
+    body_idle_timeout_s: float = Field(
+        default=15.0, description="Longest wait for the next bytes of a request body (408)."
+    )
+    body_timeout_s: float = Field(
+        default=120.0, description="From the end of the headers to the end of the body (408)."
+    )
+    keep_alive_timeout_s: int = Field(
+        default=30,
+        description="An open connection without a request in progress is closed after this.",
     )
 
     # --- module limits (checked before TVM parses anything, then on the loaded IR) ----------
     max_json_nodes: int = 500_000  # wire check costs ~11 us per node of API CPU
+    max_json_values: int = Field(
+        default=4_000_000,
+        description="JSON values (objects, arrays, strings, numbers) in a TVM JSON module, "
+        "counted before it is parsed; TVM writes ~5.6 per node.",
+    )
     max_json_depth: int = 64
     max_functions: int = 256
     max_bindings: int = 100_000
@@ -124,6 +157,31 @@ class Settings(BaseSettings):
 
     def resolved_kernel_cache_dir(self) -> Path:
         return self.kernel_cache_dir or (self.data_dir / "kernels")
+
+
+#: Query parameters that carry a credential in a connection URL (redis-py reads ``password``).
+_SECRET_PARAMS = frozenset({"password", "pass", "pwd", "secret", "token", "auth", "key"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a message or a log: userinfo (``user:pass@``) and credential query
+    parameters (``?password=...``) replaced by ``***``; unparseable input is hidden whole."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = "***@" + netloc.rsplit("@", 1)[1]
+        query = urlencode(
+            [
+                (k, "***" if k.lower() in _SECRET_PARAMS else v)
+                for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            ],
+            safe="*",
+        )
+        head = f"{parts.scheme}://{netloc}" if "//" in url else f"{parts.scheme}:{netloc}"
+        return head + parts.path + (f"?{query}" if query else "")
+    except ValueError:
+        return "***"
 
 
 @lru_cache(maxsize=1)

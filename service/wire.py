@@ -21,15 +21,23 @@ import base64
 import binascii
 import functools
 import hashlib
+import itertools
 import json
 import math
+import operator
 import re
 import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
 from service import wire_schema
-from service.errors import ForbiddenConstruct, InputError, LimitExceeded, MalformedJSON
+from service.errors import (
+    ForbiddenConstruct,
+    InputError,
+    LimitExceeded,
+    MalformedJSON,
+    StackfuseError,
+)
 from service.settings import Settings
 
 # --- policy: what a client module may contain ----------------------------------------------
@@ -337,18 +345,106 @@ def show(name: object, limit: int = 60) -> str:
 
 # --- parsing ---------------------------------------------------------------------------------
 
-_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
-_LONG_NUMBER = re.compile(r"[0-9]{20,}")
-_PAIR = re.compile(r"[\[{][\]}]")
+#: A JSON string (escapes included): what the shape scan blanks before it counts anything.
+#: Possessive (``*+``): a plain ``*`` around the escape group makes the regex engine keep a
+#: backtracking frame per escape, ~100 bytes each (1.5 GB for a 60 MiB body of ``\n``s).
+_STRINGS = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
+#: Brackets kept (objects and arrays alike as ``[``/``]``), everything else deleted.
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+#: Digits become ``0``, everything else a space: a long number is then a run of ``0``.
+_DIGITS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
+#: Longest run of digits a number may have: int64 needs 19 (larger ones TVM cannot hold, and
+#: ``int()`` of a long literal is quadratic, refused past 4300 digits with a ValueError).
+MAX_NUMBER_DIGITS = 19
+#: Bracket-pair deletion passes the depth scan tries before it sums the rest (see below).
+_PAIR_PASSES = 8
+
+
+@dataclass(frozen=True)
+class JsonShape:
+    """What :func:`check_json_shape` measured: values (objects, arrays, strings, numbers,
+    literals; an upper bound, exact for valid JSON) and bracket nesting."""
+
+    values: int
+    depth: int
+
+
+def check_json_shape(
+    raw: bytes | bytearray,
+    *,
+    max_depth: int,
+    max_values: int,
+    what: str = "JSON",
+    depth_setting: str | None = None,
+    values_setting: str | None = None,
+    number_error: type[StackfuseError] = InputError,
+) -> JsonShape:
+    """Bound a JSON document before anything parses it, in time linear in its size.
+
+    Python's parser recurses per bracket (RecursionError past ~1000), builds ~40-60 bytes of
+    objects per value and converts long integers in quadratic time, so the document is measured
+    first: strings are blanked (one regex substitution), then values are counted from commas
+    and openers, digit runs bounded and bracket depth measured, each a C-level pass over the
+    bytes. Depth: up to ``_PAIR_PASSES`` deletions of every innermost pair settle shallow
+    documents (real TVM JSON nests 5 deep); what is left is summed as +1/-1 with ``accumulate``
+    (C iterators; its length is bounded by ``max_values``, checked first). For invalid JSON the
+    depth may be overstated; the parser then names the real error. Refusals are
+    :class:`LimitExceeded` (naming ``*_setting`` when given), ``number_error``, or
+    :class:`MalformedJSON` for far more closing than opening brackets.
+    """
+    skeleton = _STRINGS.sub(b"0", raw)  # a string is one value; ``0`` keeps the count
+    values = skeleton.count(b",") + skeleton.count(b"[") + skeleton.count(b"{") + 1
+    if values > max_values:
+        _shape_limit(
+            f"{what} has more than {max_values} values", values_setting, max_values, values
+        )
+    if b"0" * (MAX_NUMBER_DIGITS + 1) in skeleton.translate(_DIGITS):
+        raise number_error(
+            f"{what} holds a number of more than {MAX_NUMBER_DIGITS} digits "
+            "(out of the int64 range)"
+        )
+    brackets = skeleton.translate(_BRACKETS, _NOT_BRACKETS)
+    del skeleton
+    if len(brackets) > 2 * max_values:  # more closers than the openers counted as values
+        raise MalformedJSON(f"{what} is not valid JSON: its brackets do not balance")
+    depth = 0
+    while brackets and depth < _PAIR_PASSES:
+        reduced = brackets.replace(b"[]", b"")
+        if len(reduced) == len(brackets):
+            break
+        brackets = reduced
+        depth += 1
+    if brackets:  # the deepest prefix of what the passes left (exact for valid JSON)
+        rest = brackets.translate(bytes.maketrans(b"[]", b"\x02\x00"))
+        depth += max(map(operator.sub, itertools.accumulate(rest), itertools.count(1)))
+    if depth > max_depth:
+        _shape_limit(f"{what} nests {depth} deep", depth_setting, max_depth, depth)
+    return JsonShape(values=values, depth=depth)
+
+
+def _shape_limit(what: str, setting: str | None, limit: int, actual: int) -> NoReturn:
+    detail: dict[str, Any] = {"limit": limit, "actual": actual}
+    if setting is None:
+        raise LimitExceeded(f"{what}; the limit is {limit}", **detail)
+    raise LimitExceeded(
+        f"{what}; the limit is {limit} (setting {setting})", setting=setting, **detail
+    )
 
 
 def _parse(raw: bytes, settings: Settings) -> Any:
-    try:
+    check_json_shape(
+        raw,
+        max_depth=settings.max_json_depth,
+        max_values=settings.max_json_values,
+        what="the module",
+        depth_setting="max_json_depth",
+        values_setting="max_json_values",
+    )
+    try:  # UTF-8 only: json.loads of bytes would also take UTF-16 and UTF-32
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MalformedJSON(f"body is not UTF-8 (byte {exc.start})", position=exc.start) from None
-    _check_bracket_depth(text, settings)
     try:
         return json.loads(
             text,
@@ -364,34 +460,6 @@ def _parse(raw: bytes, settings: Settings) -> Any:
         ) from None
     except RecursionError:  # unreachable after the depth check; kept as a backstop
         raise LimitExceeded("JSON nesting too deep", setting="max_json_depth") from None
-
-
-def _check_bracket_depth(text: str, settings: Settings) -> None:
-    """Python's json parser recurses per bracket: bound the nesting first, at C speed (and
-    refuse numbers too long for int64 on the way).
-
-    Strings and everything but brackets are stripped; then each pass deletes every innermost
-    bracket pair. A document nesting ``d`` deep needs ``d`` passes; what is left after the
-    last pass is unbalanced (``]]..[[``), and its openers nest further.
-    """
-    limit = settings.max_json_depth
-    outside_strings = _STRINGS.sub("", text)
-    digits = _LONG_NUMBER.search(outside_strings)
-    if digits is not None:  # also spares int() its quadratic time on huge literals
-        raise InputError(f"a number with {len(digits.group())} digits is out of the int64 range")
-    brackets = _NOT_BRACKETS.sub("", outside_strings)
-    passes = 0
-    while brackets:
-        reduced = _PAIR.sub("", brackets)
-        if reduced == brackets:
-            break
-        brackets = reduced
-        passes += 1
-        if passes > limit:
-            break
-    depth = passes + brackets.count("[") + brackets.count("{")
-    if depth > limit:
-        _limit("JSON nests deeper than allowed", "max_json_depth", settings, depth)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

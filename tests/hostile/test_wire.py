@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service import wire, wire_schema
-from service.errors import InputError, LimitExceeded
+from service.errors import InputError, LimitExceeded, MalformedJSON
 from tests.hostile import hostile_kit as hk
 from worker import ingest, wire_schema_gen
 
@@ -146,3 +146,82 @@ def test_wire_imports_no_tvm(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+# --- the shape scan before json.loads -------------------------------------------------------------
+def _shape(doc: bytes, depth: int = 64, values: int = 1000) -> wire.JsonShape:
+    return wire.check_json_shape(doc, max_depth=depth, max_values=values)
+
+
+def _true_depth(doc: object) -> int:
+    if isinstance(doc, dict):
+        return 1 + max(map(_true_depth, doc.values()), default=0)
+    if isinstance(doc, list):
+        return 1 + max(map(_true_depth, doc), default=0)
+    return 0
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b"1",
+        b'"[[[["',
+        b"[]",
+        b'{"a": [1, {"b": [[]]}], "c": "]]]}"}',
+        b"[" * 20 + b"]" * 20,  # deeper than the pair passes: the prefix sum finishes it
+        b"[" + b",".join([b"[" * 30 + b"]" * 30, b"[[]]", b"[" * 12 + b"]" * 12]) + b"]",
+        b'["\\"[", "\\\\", "\\u005b"]',  # escaped quotes and backslashes stay inside strings
+    ],
+)
+def test_shape_scan_measures_depth_and_values_exactly(doc: bytes) -> None:
+    parsed = json.loads(doc)
+    shape = _shape(doc)
+    assert shape.depth == _true_depth(parsed)
+    assert shape.values >= 1
+
+
+def test_shape_scan_counts_values_as_an_upper_bound() -> None:
+    doc = json.dumps([[1, 2, "a,b,[c]"], {"k": [None, True]}]).encode()
+    assert _shape(doc).values == 9  # exact for valid JSON with no empty array or object
+    assert _shape(b"[[], {}]").values == 5  # 3 values: an empty container counts one extra
+    with pytest.raises(LimitExceeded) as info:
+        wire.check_json_shape(doc, max_depth=64, max_values=5, values_setting="max_json_values")
+    assert info.value.detail == {"setting": "max_json_values", "limit": 5, "actual": 9}
+
+
+def test_shape_scan_refuses_depth_past_the_limit() -> None:
+    _shape(b"[" * 64 + b"]" * 64)
+    with pytest.raises(LimitExceeded) as info:
+        wire.check_json_shape(
+            b"[" * 65 + b"]" * 65, max_depth=64, max_values=1000, depth_setting="max_json_depth"
+        )
+    assert info.value.detail["actual"] == 65 and info.value.detail["setting"] == "max_json_depth"
+
+
+def test_shape_scan_refuses_long_numbers() -> None:
+    _shape(b"[9223372036854775807, -1.5e300]")
+    with pytest.raises(InputError, match="more than 19 digits"):
+        _shape(b"[1" + b"0" * 19 + b"]")
+    with pytest.raises(InputError):
+        _shape(b'{"a": ' + b"7" * 4301 + b"}")
+
+
+def test_shape_scan_is_not_fooled_by_unbalanced_brackets() -> None:
+    with pytest.raises(MalformedJSON):
+        _shape(b"[" + b"]" * 5000)
+    _shape(b'{"module": ')  # short and broken: left to the parser, which names the position
+
+
+def test_module_of_nested_arrays_is_refused_before_it_is_parsed() -> None:
+    """The shape that cost ~46x its size in json.loads: refused by count, nothing parsed."""
+    nested = b"[" + (b"[" * 40 + b"]" * 40 + b",") * 20_000 + b"[]]"
+    with pytest.raises(LimitExceeded) as info:
+        wire.check_module_json(nested, hk.settings(max_json_values=100_000))
+    assert info.value.detail["setting"] == "max_json_values"
+
+
+def test_real_modules_are_well_inside_the_value_limit() -> None:
+    for name in hk.SAMPLES:
+        text = hk.saved(name).encode()
+        nodes = len(hk.graph(name)["nodes"])
+        assert _shape(text, values=10**9).values < 8 * nodes

@@ -8,6 +8,8 @@ never loads TVM.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import socket
 from collections.abc import Callable, Iterable
@@ -293,3 +295,249 @@ def test_the_api_process_never_loads_tvm(
     maps = Path(f"/proc/{api.proc.pid}/maps").read_text()
     assert "libtvm" not in maps
     assert "site-packages/tvm" not in maps
+
+
+# --- hostile bodies (issue #33) ------------------------------------------------------------------
+def _post_raw(client: httpx.Client, content: bytes) -> httpx.Response:
+    return client.post("/optimize", content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"[" * 1000 + b"]" * 1000,  # Python's parser would recurse past its limit
+        b'{"module": ' + b"1" * 4301 + b"}",  # int() refuses past 4,300 digits
+        b'{"module": "x", "target": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # off-loop path
+        b'{"module": "x", "options": {"a": [' + b"1," * 100 + b"1]}}",
+    ],
+    ids=["nested-arrays", "long-integer", "nested-in-a-large-body", "many-values"],
+)
+def test_hostile_outer_body_is_a_422_not_a_500(client: httpx.Client, content: bytes) -> None:
+    assert_problem(_post_raw(client, content), 422, "invalid-request")
+
+
+def _module_of_nested_arrays(size: int, depth: int = 40) -> str:
+    block = "[" * depth + "]" * depth + ","
+    return "[" + block * (size // len(block)) + "[]]"
+
+
+def test_module_past_the_value_limit_is_refused_before_it_is_parsed(
+    start_api: Callable[..., ApiProcess], redis_server: RedisServer
+) -> None:
+    """A module of nested arrays (the shape that cost ~46x its size to parse) is counted, not
+    parsed; the check runs in the decoding child, and the API still answers /healthz after."""
+    small = start_api(STACKFUSE_MAX_JSON_VALUES="100000")
+    before = redis_server.client().llen("rq:queue:stackfuse")
+    with small.client() as c:
+        r = c.post("/optimize", json=body(_module_of_nested_arrays(LIMIT // 2)))
+        problem = assert_problem(r, 413, "limit-exceeded")
+        assert problem["setting"] == "max_json_values" and problem["limit"] == 100_000
+        deep = "[" * 65 + "]" * 65
+        problem = assert_problem(c.post("/optimize", json=body(deep)), 413, "limit-exceeded")
+        assert problem["setting"] == "max_json_depth" and problem["actual"] == 65
+        assert c.get("/healthz").status_code == 200
+    assert redis_server.client().llen("rq:queue:stackfuse") == before
+
+
+def test_large_bodies_are_spooled_and_the_spool_is_removed(
+    start_api: Callable[..., ApiProcess], tmp_path: Path, fresh_module: Callable[[], str]
+) -> None:
+    """Bodies over parse_in_process_bytes go through a temporary file (and the decoding child)
+    whether accepted or refused; no file is left behind."""
+    spooling = start_api(TMPDIR=str(tmp_path))
+    with spooling.client() as c:
+        module = fresh_module() + " " * 40_000
+        accepted = c.post("/optimize", json=body(module))
+        assert accepted.status_code == 202, accepted.text
+        assert c.get(accepted.headers["location"]).json()["input_sha256"] == (
+            hashlib.sha256(module.encode()).hexdigest()
+        )
+        refused = c.post("/optimize", json=body("[" * 30_000 + "]" * 30_000))
+        assert_problem(refused, 413, "limit-exceeded")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("stackfuse-body-")]
+
+
+def test_a_body_the_decoding_child_cannot_afford_is_a_problem_not_a_crash(
+    start_api: Callable[..., ApiProcess],
+) -> None:
+    """Under a tiny RLIMIT_AS the child fails (MemoryError: 413 naming parse_memory_bytes, or
+    dies: 503); either way the API answers, and decodes the next large body with a new child."""
+    starved = start_api(STACKFUSE_PARSE_MEMORY_BYTES=str(50 * 1024 * 1024))
+    with starved.client() as c:
+        module = "[" + ",".join(["[[1,2],[3,4]]"] * 120_000) + "]"
+        r = c.post("/optimize", json=body(module))
+        assert r.status_code in (413, 503) and r.headers["content-type"] == PROBLEM, r.text
+        if r.status_code == 413:
+            assert r.json()["setting"] == "parse_memory_bytes"
+        assert c.get("/healthz").status_code == 200
+        again = c.post("/optimize", json=body("[" * 70 + "]" * 70 + " " * 20_000))
+        assert_problem(again, 413, "limit-exceeded")
+
+
+def test_tvmscript_is_checked_at_the_api(
+    start_api: Callable[..., ApiProcess], redis_server: RedisServer
+) -> None:
+    small = start_api(STACKFUSE_MAX_SCRIPT_BYTES="4096")
+    before = redis_server.client().llen("rq:queue:stackfuse")
+    with small.client() as c:
+        big = body("# padding\n" * 1000, format="tvmscript")
+        problem = assert_problem(c.post("/optimize", json=big), 413, "limit-exceeded")
+        assert problem["setting"] == "max_script_bytes" and problem["actual"] == 10_000
+        garbage = body("import os\nos.system('true')\n", format="tvmscript")
+        assert_problem(c.post("/optimize", json=garbage), 422, "forbidden-script")
+        assert_problem(
+            c.post("/optimize", json=body("def (", format="tvmscript")), 422, "invalid-module"
+        )
+        nested = body("x = " + "(" * 5000 + ")" * 5000, format="tvmscript")
+        r = c.post("/optimize", json=nested)
+        assert r.status_code in (413, 422) and r.headers["content-type"] == PROBLEM
+    assert redis_server.client().llen("rq:queue:stackfuse") == before
+
+
+# --- header limits and read timeouts (raw sockets: clients that misbehave) ---------------------
+def _exchange(port: int, data: bytes, timeout: float = 30) -> bytes:
+    """Send ``data``, then read until the server closes the connection."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(data)
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                out += chunk
+        return out
+    finally:
+        sock.close()
+
+
+def test_oversize_header_is_431(api: ApiProcess) -> None:
+    huge = b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * (1024 * 1024) + b"\r\n\r\n"
+    status, headers, problem = _parse(_exchange(api.port, huge))
+    assert status == 431 and headers["content-type"] == PROBLEM
+    assert problem["type"] == "https://stackfuse.dev/problems/headers-too-large"
+
+
+def test_too_many_headers_is_431(api: ApiProcess) -> None:
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(500))
+    status, _, problem = _parse(_exchange(api.port, b"GET /healthz HTTP/1.1\r\n" + many + b"\r\n"))
+    assert status == 431 and "headers" in str(problem["detail"])
+
+
+def test_header_just_under_the_limit_is_served(client: httpx.Client) -> None:
+    assert client.get("/healthz", headers={"X-Pad": "p" * 20_000}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def impatient_api(start_api: Callable[..., ApiProcess]) -> ApiProcess:
+    return start_api(
+        STACKFUSE_HEADER_TIMEOUT_S="1",
+        STACKFUSE_BODY_IDLE_TIMEOUT_S="1",
+        STACKFUSE_BODY_TIMEOUT_S="3",
+        STACKFUSE_KEEP_ALIVE_TIMEOUT_S="1",
+    )
+
+
+def test_half_sent_headers_get_408_and_are_closed(impatient_api: ApiProcess) -> None:
+    status, headers, problem = _parse(_exchange(impatient_api.port, b"GET /healthz HTTP/1.1\r\n"))
+    assert status == 408 and headers["connection"] == "close"
+    assert problem["type"] == "https://stackfuse.dev/problems/request-timeout"
+
+
+def test_short_body_gets_408_and_is_closed(impatient_api: ApiProcess) -> None:
+    head = POST + b"Content-Length: 1000\r\n\r\n"
+    status, _, problem = _parse(_exchange(impatient_api.port, head + b'{"module": "'))
+    assert status == 408 and "body" in str(problem["detail"])
+
+
+def test_slow_drip_body_gets_408(impatient_api: ApiProcess) -> None:
+    """Bytes every half second keep the idle timer quiet; the body deadline still ends it."""
+    sock = socket.create_connection(("127.0.0.1", impatient_api.port), timeout=30)
+    try:
+        sock.sendall(POST + b"Content-Length: 1000\r\n\r\n")
+        out = b""
+        for _ in range(40):
+            try:
+                sock.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sock.settimeout(0.5)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        status, _, _ = _parse(out)
+        assert status == 408
+    finally:
+        sock.close()
+
+
+def test_idle_connection_is_closed(impatient_api: ApiProcess) -> None:
+    assert _exchange(impatient_api.port, b"") == b""  # closed by the server, nothing sent
+
+
+def test_keep_alive_still_works_within_the_timeouts(impatient_api: ApiProcess) -> None:
+    with impatient_api.client() as c:
+        for _ in range(3):
+            assert c.get("/healthz").status_code == 200
+
+
+# --- secrets, OpenAPI ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "url",
+    ["redis://127.0.0.1:1/0?password=hunter2", "redis://default:hunter2@127.0.0.1:1/0"],
+)
+def test_readyz_never_shows_the_redis_password(
+    start_api: Callable[..., ApiProcess], url: str
+) -> None:
+    with start_api(STACKFUSE_REDIS_URL=url).client() as c:
+        r = c.get("/readyz")
+        assert_problem(r, 503, "infrastructure-error")
+        assert "hunter2" not in r.text and "127.0.0.1:1" in r.text
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:hunter2@h:1/0", "redis://***@h:1/0"),
+        ("redis://u:hun@ter2@h/0", "redis://***@h/0"),
+        ("redis://h/0?password=hunter2&db=1", "redis://h/0?password=***&db=1"),
+        ("rediss://h/0?PASSWORD=hunter2", "rediss://h/0?PASSWORD=***"),
+        ("unix:///run/r.sock?db=0&password=hunter2", "unix:///run/r.sock?db=0&password=***"),
+        ("redis://h/0#hunter2", "redis://h/0"),
+        ("redis://[::1/0?password=hunter2", "***"),
+    ],
+)
+def test_redact_url_hides_every_credential_form(url: str, shown: str) -> None:
+    from service.settings import redact_url
+
+    assert redact_url(url) == shown
+
+
+def test_openapi_refs_resolve_and_errors_are_problem_json(client: httpx.Client) -> None:
+    doc = client.get("/openapi.json").json()
+
+    def refs(node: object) -> Iterable[str]:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                yield node["$ref"]
+            for v in node.values():
+                yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    for ref in refs(doc):
+        assert ref.startswith("#/components/schemas/"), ref
+        assert ref.rsplit("/", 1)[1] in doc["components"]["schemas"], ref
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            for code, response in op["responses"].items():
+                if int(code) >= 400:
+                    assert list(response["content"]) == [PROBLEM], (path, method, code)
+    assert "431" in doc["paths"]["/optimize"]["post"]["responses"]
