@@ -44,8 +44,17 @@ def record_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+#: SCAN patterns of every job record and every compile cache entry (retention reads them).
+RECORD_PATTERN = record_key("*")
+#: Record fields that name stored objects.
+OBJECT_FIELDS = ("input_sha256", "artifact_sha256", "report_sha256")
+
+
 def cache_index_key(key: str) -> str:
     return f"{PREFIX}:cache:{key}"
+
+
+CACHE_INDEX_PATTERN = cache_index_key("*")
 
 
 def idempotency_key(client_key: str) -> str:
@@ -315,17 +324,11 @@ async def submit(
 
     Same Idempotency-Key + same fingerprint -> the earlier job (replayed); a different
     fingerprint -> IdempotencyConflict. A compile-cache hit -> a job finished at once. Otherwise
-    the record + RQ job are created together, once the module is stored. Two round trips to
-    Redis on the common path, the first overlapping the store's write (+ fsync, in a thread).
+    the module is stored (in a thread: write + fsync) and then the record + RQ job are created
+    together. Only that last path writes the module, so a refused request, a replay or a cache
+    hit leaves nothing in the store. Two round trips to Redis on the common path.
     """
-    import asyncio
-
     import anyio
-
-    # The module is written while Redis is asked (content-addressed: writing it for a request
-    # that turns out to be a replay or a cache hit is harmless); write + fsync release the GIL.
-    put = asyncio.ensure_future(anyio.to_thread.run_sync(store.put_bytes, module_bytes))
-    put.add_done_callback(_consume)  # its error surfaces below when awaited, or is moot
 
     idem_key = idempotency_key(idempotency) if idempotency is not None else None
     async with redis.pipeline(transaction=False) as pipe:
@@ -350,7 +353,8 @@ async def submit(
         await redis.set(idem_key, idempotency_value(sub), ex=settings.idempotency_ttl_s)
 
     entry = parse_cache_entry(results[-1])
-    if entry and store.exists(entry["artifact_sha256"]) and store.exists(entry["report_sha256"]):
+    # keep(): the objects are referenced again from now on, so retention spares them
+    if entry and store.keep(entry["artifact_sha256"]) and store.keep(entry["report_sha256"]):
         record = new_record(sub, cached_from=entry)
         async with redis.pipeline(transaction=True) as pipe:
             write_record(pipe, sub.job_id, record, record_ttl(settings))
@@ -359,7 +363,9 @@ async def submit(
 
     record = new_record(sub)
     try:
-        await put  # the module is stored before any worker can see the job
+        # stored before any worker can see the job; a put also refreshes an existing object's
+        # mtime, which keeps retention off it until the record below names it
+        await anyio.to_thread.run_sync(store.put_bytes, module_bytes)
         # record + RQ job in one MULTI/EXEC on the event loop: RQ's commands, recorded, so no
         # thread runs RQ's Python next to the loop
         commands = enqueue_commands(queue, settings, sub, record)
@@ -372,12 +378,6 @@ async def submit(
             await redis.delete(idem_key)
         raise
     return record, False
-
-
-def _consume(task: Any) -> None:
-    """Retrieve a background task's outcome so an unawaited failure is not logged as lost."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def _await_record(redis: AsyncRedis, job_id: str) -> dict[str, str] | None:
