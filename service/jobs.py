@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from service import metrics
 from service.errors import IdempotencyConflict, InfrastructureError, StackfuseError
 from service.schemas import TERMINAL, JobError, JobLinks, JobView, OptimizeRequest
 from service.settings import Settings
@@ -358,6 +359,7 @@ async def submit(
         record = new_record(sub, cached_from=entry)
         async with redis.pipeline(transaction=True) as pipe:
             write_record(pipe, sub.job_id, record, record_ttl(settings))
+            metrics.count_submitted(pipe, "cached")
             await pipe.execute()
         return record, False
 
@@ -372,6 +374,7 @@ async def submit(
         async with redis.pipeline(transaction=True) as pipe:
             for args, options in commands:
                 pipe.execute_command(*args, **options)
+            metrics.count_submitted(pipe, "queued")
             await pipe.execute()
     except BaseException:
         if idem_key:
@@ -486,8 +489,13 @@ class JobRecords:
         written = self._update(job_id, fields)
         if written:
             entry = cache_entry({**record, **fields})
-            key = cache_index_key(record["cache_key"])
-            self.conn.set(key, json.dumps(entry), ex=self.settings.result_ttl_s)
+            started = _ts(record.get("started_at"))
+            seconds = (datetime.now(UTC) - started).total_seconds() if started else None
+            with self.conn.pipeline(transaction=False) as pipe:
+                key = cache_index_key(record["cache_key"])
+                pipe.set(key, json.dumps(entry), ex=self.settings.result_ttl_s)
+                metrics.count_finished(pipe, "succeeded", seconds)
+                pipe.execute()
         return written
 
     def fail(
@@ -506,7 +514,12 @@ class JobRecords:
         }
         if report_sha256:
             fields["report_sha256"] = report_sha256
-        return self._update(job_id, fields)
+        written = self._update(job_id, fields)
+        if written:
+            with self.conn.pipeline(transaction=False) as pipe:
+                metrics.count_finished(pipe, "failed")
+                pipe.execute()
+        return written
 
     def note_error(self, job_id: str, error: StackfuseError) -> None:
         """Remember a retryable error raised by the task, for the retry/give-up message."""
