@@ -11,12 +11,15 @@ Failure policy (issue #3/#4):
 - nothing a job does can kill the worker: every job runs in a forked work-horse, which also dies
   with its worker (PR_SET_PDEATHSIG), so a lost worker's job never runs twice at once.
 
+Each worker's maintenance also enqueues the periodic gc job (``service.retention``).
+
 Importing this module does not import TVM; the horse imports it through ``worker.pipeline``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -40,6 +43,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 
+from service import retention
 from service.errors import (
     CompileError,
     InfrastructureError,
@@ -247,6 +251,17 @@ def _timed_out(
     raise TimeLimitExceeded(f"job {job_id} timed out")
 
 
+def gc_job() -> dict[str, Any]:
+    """The periodic garbage collection (service.retention); RQ keeps its result for a day."""
+    rq_job = get_current_job()
+    assert rq_job is not None, "gc_job runs inside an RQ work-horse"
+    result = retention.collect(rq_job.connection, get_settings())
+    log.info("gc: %s", result.summary())
+    out = dataclasses.asdict(result)
+    out.pop("deleted")
+    return out
+
+
 # --- the worker -------------------------------------------------------------------------------
 def _signal_text(signum: int) -> str:
     try:
@@ -281,6 +296,13 @@ class StackfuseWorker(Worker):
             return
         if os.getppid() != self.pid:  # the worker died before prctl took effect
             os._exit(1)
+
+    def run_maintenance_tasks(self) -> None:
+        super().run_maintenance_tasks()
+        try:
+            retention.maybe_enqueue(self.connection, self.queues[0], self.settings)
+        except Exception:  # gc waits for the next maintenance; serving jobs must go on
+            log.exception("could not enqueue the gc job")
 
     def handle_work_horse_killed(self, job: Job, retpid: int, ret_val: int, rusage: Any) -> None:
         self._horse_wait_status = ret_val
