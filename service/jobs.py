@@ -286,8 +286,14 @@ def enqueue_commands(
     """
     from rq import Retry
 
+    # A retry goes to the front of the queue, ahead of work submitted after it: RQ honours
+    # enqueue_at_front both for an immediate retry and when its scheduler enqueues a due one.
     retry = (
-        Retry(max=settings.job_retries, interval=list(settings.job_retry_intervals_s))
+        Retry(
+            max=settings.job_retries,
+            interval=list(settings.job_retry_intervals_s),
+            enqueue_at_front=True,
+        )
         if settings.job_retries > 0
         else None
     )
