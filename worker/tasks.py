@@ -379,7 +379,6 @@ class StackfuseWorker(Worker):
             self._record_failure(job)
         except Exception:  # the record is advisory; RQ's own bookkeeping must still happen
             log.exception("job %s: could not update its record", job.id)
-        _attempt_over(job)
         super().handle_job_failure(job, queue, started_job_registry, exc_string, execution)
 
     def _record_failure(self, job: Job) -> None:
@@ -432,9 +431,10 @@ class StackfuseWorker(Worker):
 
 
 def _attempt_over(job: Job) -> None:
-    """Mark the attempt ended before RQ retries the job. RQ puts a retry at the front only for a
-    job with an ``ended_at`` (``Job.should_enqueue_at_front``), which a killed horse or a lost
-    worker never wrote: without this their retries went to the back of the queue."""
+    """Mark a lost worker's attempt ended before RQ retries the job. RQ puts a retry at the
+    front only for a job with an ``ended_at`` (``Job.should_enqueue_at_front``); its worker
+    writes one when a job fails or its horse dies, but a lost worker never does, so without
+    this the retry went to the back of the queue."""
     if job.ended_at is None:
         job.ended_at = rq_now()
 
