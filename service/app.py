@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service import api, problems
+from service import api, metrics, problems
 from service.middleware import BodyLimit
 from service.settings import Settings, get_settings
 from service.state import build_state, warm_up
@@ -50,4 +50,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     problems.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(api.router)
+    app.include_router(metrics.make_router())
     return app

@@ -269,6 +269,13 @@ def _register_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     add_cli(sub)
 
 
+# --- gc (service.retention) -------------------------------------------------------------------
+def _register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from service.retention import add_cli
+
+    add_cli(sub)
+
+
 # --- compile (local, no service) --------------------------------------------------------------
 def _register_compile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("compile", help="compile a model here, without the service")
@@ -420,6 +427,7 @@ SUBCOMMANDS: dict[str, Registrar] = {
     "compile": _register_compile,
     "import": _register_import,
     "prebuild": _register_prebuild,
+    "gc": _register_gc,
 }
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from service import metrics
 from service.errors import IdempotencyConflict, InfrastructureError, StackfuseError
 from service.schemas import TERMINAL, JobError, JobLinks, JobView, OptimizeRequest
 from service.settings import Settings
@@ -44,8 +45,17 @@ def record_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+#: SCAN patterns of every job record and every compile cache entry (retention reads them).
+RECORD_PATTERN = record_key("*")
+#: Record fields that name stored objects.
+OBJECT_FIELDS = ("input_sha256", "artifact_sha256", "report_sha256")
+
+
 def cache_index_key(key: str) -> str:
     return f"{PREFIX}:cache:{key}"
+
+
+CACHE_INDEX_PATTERN = cache_index_key("*")
 
 
 def idempotency_key(client_key: str) -> str:
@@ -276,8 +286,14 @@ def enqueue_commands(
     """
     from rq import Retry
 
+    # A retry goes to the front of the queue, ahead of work submitted after it: RQ honours
+    # enqueue_at_front both for an immediate retry and when its scheduler enqueues a due one.
     retry = (
-        Retry(max=settings.job_retries, interval=list(settings.job_retry_intervals_s))
+        Retry(
+            max=settings.job_retries,
+            interval=list(settings.job_retry_intervals_s),
+            enqueue_at_front=True,
+        )
         if settings.job_retries > 0
         else None
     )
@@ -315,17 +331,11 @@ async def submit(
 
     Same Idempotency-Key + same fingerprint -> the earlier job (replayed); a different
     fingerprint -> IdempotencyConflict. A compile-cache hit -> a job finished at once. Otherwise
-    the record + RQ job are created together, once the module is stored. Two round trips to
-    Redis on the common path, the first overlapping the store's write (+ fsync, in a thread).
+    the module is stored (in a thread: write + fsync) and then the record + RQ job are created
+    together. Only that last path writes the module, so a refused request, a replay or a cache
+    hit leaves nothing in the store. Two round trips to Redis on the common path.
     """
-    import asyncio
-
     import anyio
-
-    # The module is written while Redis is asked (content-addressed: writing it for a request
-    # that turns out to be a replay or a cache hit is harmless); write + fsync release the GIL.
-    put = asyncio.ensure_future(anyio.to_thread.run_sync(store.put_bytes, module_bytes))
-    put.add_done_callback(_consume)  # its error surfaces below when awaited, or is moot
 
     idem_key = idempotency_key(idempotency) if idempotency is not None else None
     async with redis.pipeline(transaction=False) as pipe:
@@ -350,34 +360,33 @@ async def submit(
         await redis.set(idem_key, idempotency_value(sub), ex=settings.idempotency_ttl_s)
 
     entry = parse_cache_entry(results[-1])
-    if entry and store.exists(entry["artifact_sha256"]) and store.exists(entry["report_sha256"]):
+    # keep(): the objects are referenced again from now on, so retention spares them
+    if entry and store.keep(entry["artifact_sha256"]) and store.keep(entry["report_sha256"]):
         record = new_record(sub, cached_from=entry)
         async with redis.pipeline(transaction=True) as pipe:
             write_record(pipe, sub.job_id, record, record_ttl(settings))
+            metrics.count_submitted(pipe, "cached")
             await pipe.execute()
         return record, False
 
     record = new_record(sub)
     try:
-        await put  # the module is stored before any worker can see the job
+        # stored before any worker can see the job; a put also refreshes an existing object's
+        # mtime, which keeps retention off it until the record below names it
+        await anyio.to_thread.run_sync(store.put_bytes, module_bytes)
         # record + RQ job in one MULTI/EXEC on the event loop: RQ's commands, recorded, so no
         # thread runs RQ's Python next to the loop
         commands = enqueue_commands(queue, settings, sub, record)
         async with redis.pipeline(transaction=True) as pipe:
             for args, options in commands:
                 pipe.execute_command(*args, **options)
+            metrics.count_submitted(pipe, "queued")
             await pipe.execute()
     except BaseException:
         if idem_key:
             await redis.delete(idem_key)
         raise
     return record, False
-
-
-def _consume(task: Any) -> None:
-    """Retrieve a background task's outcome so an unawaited failure is not logged as lost."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def _await_record(redis: AsyncRedis, job_id: str) -> dict[str, str] | None:
@@ -486,8 +495,13 @@ class JobRecords:
         written = self._update(job_id, fields)
         if written:
             entry = cache_entry({**record, **fields})
-            key = cache_index_key(record["cache_key"])
-            self.conn.set(key, json.dumps(entry), ex=self.settings.result_ttl_s)
+            started = _ts(record.get("started_at"))
+            seconds = (datetime.now(UTC) - started).total_seconds() if started else None
+            with self.conn.pipeline(transaction=False) as pipe:
+                key = cache_index_key(record["cache_key"])
+                pipe.set(key, json.dumps(entry), ex=self.settings.result_ttl_s)
+                metrics.count_finished(pipe, "succeeded", seconds)
+                pipe.execute()
         return written
 
     def fail(
@@ -506,7 +520,12 @@ class JobRecords:
         }
         if report_sha256:
             fields["report_sha256"] = report_sha256
-        return self._update(job_id, fields)
+        written = self._update(job_id, fields)
+        if written:
+            with self.conn.pipeline(transaction=False) as pipe:
+                metrics.count_finished(pipe, "failed")
+                pipe.execute()
+        return written
 
     def note_error(self, job_id: str, error: StackfuseError) -> None:
         """Remember a retryable error raised by the task, for the retry/give-up message."""

@@ -128,6 +128,24 @@ class Settings(BaseSettings):
         default=True, description="fsync stored objects before publishing them (crash safety)."
     )
 
+    # --- retention (service/retention.py: `stackfuse gc` and the workers' periodic gc job) ---
+    gc_interval_s: int = Field(
+        default=3600, description="How often one worker enqueues the gc job; 0: never."
+    )
+    gc_min_age_s: int = Field(
+        default=3600,
+        description="Nothing younger is collected: a module is stored just before its job "
+        "record is written, and an attempt directory may belong to a worker that is only slow.",
+    )
+    kernel_cache_ttl_s: int = Field(
+        default=30 * 24 * 3600, description="Kernel cache entries unused this long are deleted."
+    )
+    kernel_cache_max_bytes: int = Field(
+        default=0,
+        description="Disk budget of the kernel cache: least recently used entries go first "
+        "beyond it; 0: no budget.",
+    )
+
     # --- toolchain ------------------------------------------------------------------------
     cuda_home: Path | None = Field(default=None, description="CUDA toolkit root; found if unset.")
     nvcc_timeout_s: int = 600

@@ -5,7 +5,11 @@ job delivered twice, or two jobs with the same input, write the same object: har
 to a temporary file in the same filesystem and are published with ``os.replace``, so a reader
 never sees a partial object. :class:`Store` is the narrow interface the rest of the code uses;
 :class:`LocalStore` implements it on a directory (by default ``<STACKFUSE_DATA_DIR>/objects``),
-and an object-store backend only has to provide the same six methods.
+and an object-store backend only has to provide the same methods.
+
+Retention (:mod:`service.retention`) decides what is garbage by the age of an object's mtime:
+a put of an object that is already there refreshes its mtime, so an object about to be
+referenced by a new job record is young, and young objects are never collected.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -35,6 +41,13 @@ def sha256_file(path: Path) -> str:
 
 def is_sha256(text: str) -> bool:
     return bool(_SHA256.match(text))
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    sha256: str
+    size: int
+    mtime: float  # seconds since the epoch: when it was last put
 
 
 class Store(Protocol):
@@ -61,6 +74,19 @@ class Store(Protocol):
         sendfile); ``None`` otherwise, and callers fall back to :meth:`open`."""
         ...
 
+    def keep(self, sha256: str) -> bool:
+        """Mark an existing object as just used (retention spares it); False if absent."""
+        ...
+
+    def objects(self) -> Iterator[StoredObject]:
+        """Every stored object (for retention)."""
+        ...
+
+    def delete(self, sha256: str, *, older_than: float) -> bool:
+        """Delete the object unless it was put or kept at or after ``older_than`` (epoch
+        seconds); True when it was deleted."""
+        ...
+
 
 class LocalStore:
     """A :class:`Store` on a local (or shared network) directory: ``root/ab/cdef...``."""
@@ -81,7 +107,7 @@ class LocalStore:
 
     def _publish(self, tmp: Path, sha256: str) -> None:
         final = self._path(sha256)
-        if final.exists():
+        if self.keep(sha256):
             tmp.unlink(missing_ok=True)
             return
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +120,7 @@ class LocalStore:
 
     def put_bytes(self, data: bytes) -> str:
         sha = sha256_bytes(data)
-        if self.exists(sha):
+        if self.keep(sha):
             return sha
         fd, tmp = self._tempfile()
         try:
@@ -139,3 +165,54 @@ class LocalStore:
     def local_path(self, sha256: str) -> Path | None:
         path = self._path(sha256)
         return path if path.is_file() else None
+
+    def keep(self, sha256: str) -> bool:
+        if not is_sha256(sha256):
+            return False
+        try:
+            os.utime(self._path(sha256))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def objects(self) -> Iterator[StoredObject]:
+        if not self.root.is_dir():
+            return
+        for shard in sorted(self.root.iterdir()):
+            if len(shard.name) != 2 or not shard.is_dir():
+                continue  # tmp/ and anything else that is not a shard
+            for path in shard.iterdir():
+                sha = shard.name + path.name
+                if not is_sha256(sha):
+                    continue
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                yield StoredObject(sha, st.st_size, st.st_mtime)
+
+    def delete(self, sha256: str, *, older_than: float) -> bool:
+        """Moved aside first, then its mtime read again: a put or :meth:`keep` that raced the
+        decision has refreshed it, and the object is put back."""
+        path = self._path(sha256)
+        aside = path.with_name(f".{path.name}.gc-{os.getpid()}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        if aside.stat().st_mtime >= older_than:
+            os.replace(aside, path)  # a concurrent put wrote the same bytes, if anything
+            return False
+        aside.unlink()
+        return True
+
+    def stale_temporaries(self, older_than: float) -> Iterator[Path]:
+        """Half-written puts of processes that died (``tmp/put-*``) older than ``older_than``."""
+        if not self._tmp.is_dir():
+            return
+        for path in self._tmp.iterdir():
+            try:
+                if path.stat().st_mtime < older_than:
+                    yield path
+            except FileNotFoundError:
+                continue

@@ -9,7 +9,14 @@ Failure policy (issue #3/#4):
   are retried up to ``job_retries`` times, then failed with a message that says what happened
   how often ("the compiler process died (signal 11, SIGSEGV) 3 times; giving up");
 - nothing a job does can kill the worker: every job runs in a forked work-horse, which also dies
-  with its worker (PR_SET_PDEATHSIG), so a lost worker's job never runs twice at once.
+  with its worker (PR_SET_PDEATHSIG), so a lost worker's job never runs twice at once;
+- a retry goes to the front of the queue (``service.jobs.enqueue_commands``); RQ's scheduler,
+  which enqueues retries that wait out an interval, runs in a child of one worker that is told
+  SIGTERM when that worker dies however it dies (PR_SET_PDEATHSIG), so it releases its lock and
+  another worker's scheduler takes over at its next maintenance, instead of an orphan holding
+  the lock.
+
+Each worker's maintenance also enqueues the periodic gc job (``service.retention``).
 
 Importing this module does not import TVM; the horse imports it through ``worker.pipeline``.
 """
@@ -17,6 +24,7 @@ Importing this module does not import TVM; the horse imports it through ``worker
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -35,11 +43,15 @@ from typing import Any, NoReturn
 from redis import Redis
 from redis import exceptions as redis_errors
 from rq import Queue, Worker, get_current_job
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import AbandonedJobError
 from rq.job import Job
+from rq.scheduler import RQScheduler
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
+from rq.utils import now as rq_now
 
+from service import retention
 from service.errors import (
     CompileError,
     InfrastructureError,
@@ -247,7 +259,46 @@ def _timed_out(
     raise TimeLimitExceeded(f"job {job_id} timed out")
 
 
+def gc_job() -> dict[str, Any]:
+    """The periodic garbage collection (service.retention); RQ keeps its result for a day."""
+    rq_job = get_current_job()
+    assert rq_job is not None, "gc_job runs inside an RQ work-horse"
+    result = retention.collect(rq_job.connection, get_settings())
+    log.info("gc: %s", result.summary())
+    out = dataclasses.asdict(result)
+    out.pop("deleted")
+    return out
+
+
 # --- the worker -------------------------------------------------------------------------------
+def _die_with_parent(sig: int, parent_pid: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent dies. False when the
+    parent is already gone (it died before the request took effect) or it cannot be asked."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):  # not Linux
+        return True
+    return os.getppid() == parent_pid
+
+
+class StackfuseScheduler(RQScheduler):
+    """RQ's scheduler, in a child that stops (releasing its locks) when its worker dies."""
+
+    _worker_pid = 0
+
+    def start(self) -> Any:
+        self._worker_pid = os.getpid()
+        return super().start()
+
+    def work(self) -> None:
+        # SIGTERM, not SIGKILL: RQ's scheduler stops on it and releases its locks first
+        if not _die_with_parent(signal.SIGTERM, self._worker_pid):
+            self.stop()
+            return
+        super().work()
+
+
 def _signal_text(signum: int) -> str:
     try:
         return f"signal {signum}, {signal.Signals(signum).name}"
@@ -274,13 +325,43 @@ class StackfuseWorker(Worker):
         super().setup_work_horse_signals()
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crashing compiler dumps no core
         faulthandler.enable()  # ...but leaves its Python stack in the worker log
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # not Linux: the horse may outlive a killed worker
-            return
-        if os.getppid() != self.pid:  # the worker died before prctl took effect
+        if not _die_with_parent(signal.SIGKILL, self.pid or 0):  # the worker died before prctl
             os._exit(1)
+
+    def _start_scheduler(
+        self,
+        burst: bool = False,
+        logging_level: str | None = "INFO",
+        date_format: str = DEFAULT_LOGGING_DATE_FORMAT,
+        log_format: str = DEFAULT_LOGGING_FORMAT,
+    ) -> None:
+        """RQ's own, with :class:`StackfuseScheduler` in place of RQScheduler."""
+        self.scheduler = StackfuseScheduler(
+            self.queues,
+            connection=self.connection,
+            logging_level=logging_level if logging_level is not None else self.log.level,
+            date_format=date_format,
+            log_format=log_format,
+            serializer=self.serializer,
+        )
+        self.scheduler.acquire_locks()
+        if self.scheduler.acquired_locks:
+            if burst:
+                try:
+                    self.scheduler.register_birth()
+                    self.scheduler.enqueue_scheduled_jobs()
+                finally:
+                    self.scheduler.release_locks()
+                    self.scheduler.register_death()
+            else:
+                self.scheduler.start()
+
+    def run_maintenance_tasks(self) -> None:
+        super().run_maintenance_tasks()
+        try:
+            retention.maybe_enqueue(self.connection, self.queues[0], self.settings)
+        except Exception:  # gc waits for the next maintenance; serving jobs must go on
+            log.exception("could not enqueue the gc job")
 
     def handle_work_horse_killed(self, job: Job, retpid: int, ret_val: int, rusage: Any) -> None:
         self._horse_wait_status = ret_val
@@ -345,7 +426,17 @@ class StackfuseWorker(Worker):
                 self.records.attempt_ended(job.id, cause, will_retry=will_retry)
             except Exception:
                 log.exception("job %s: could not update its record", job.id)
+            _attempt_over(job)
         return None  # let RQ's default handling continue
+
+
+def _attempt_over(job: Job) -> None:
+    """Mark a lost worker's attempt ended before RQ retries the job. RQ puts a retry at the
+    front only for a job with an ``ended_at`` (``Job.should_enqueue_at_front``); its worker
+    writes one when a job fails or its horse dies, but a lost worker never does, so without
+    this the retry went to the back of the queue."""
+    if job.ended_at is None:
+        job.ended_at = rq_now()
 
 
 def make_worker(settings: Settings, name: str | None = None) -> StackfuseWorker:

@@ -26,6 +26,7 @@ from tests.conftest import (
     wait_for,
     wait_job,
 )
+from tests.service.reshape import fresh_reshape
 
 pytestmark = [pytest.mark.nvcc, pytest.mark.slow]
 
@@ -149,6 +150,84 @@ def test_job_past_its_time_limit_fails_without_retry(
         assert "4 s" in done["error"]["message"]
         time.sleep(3)
         assert c.get(f"/jobs/{job_id}").json()["attempts"] == 1
+
+
+SCHEDULER_LOCK = "rq:scheduler-lock:stackfuse"
+
+
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def scheduler_holder(redis_server: RedisServer, workers: WorkerPool) -> tuple[str, int, int] | None:
+    """(name, pid, worker pid) of the scheduler holding the queue's lock, when it is alive and
+    a child of one of ``workers``."""
+    r = redis_server.client()
+    name = r.get(SCHEDULER_LOCK)
+    pid = r.hget(f"rq:scheduler:{name.decode()}", "pid") if name else None
+    if not pid or not pid_alive(int(pid)):
+        return None
+    parent = parent_pid(int(pid))
+    if parent not in {w.pid for w in workers.workers}:
+        return None
+    return name.decode(), int(pid), parent
+
+
+def test_sigkilled_worker_takes_its_scheduler_along_and_its_retry_goes_first(
+    client: httpx.Client,
+    workers: WorkerPool,
+    fault_plan_file: Path,
+    redis_server: RedisServer,
+) -> None:
+    """kill -9 of the worker whose child runs RQ's scheduler (not of its process group): the
+    scheduler dies with it and frees its lock, the other worker's scheduler takes over and
+    enqueues the killed job's retry (interval 1 s) at the front, ahead of jobs queued before."""
+    name, scheduler, holder_pid = wait_for(
+        lambda: scheduler_holder(redis_server, workers), 120, "a live worker's scheduler"
+    )
+    # both workers busy, so the holder runs one of the stalled jobs
+    stalled = [fresh_reshape(), fresh_reshape()]
+    for module in stalled:
+        add_fault(fault_plan_file, sha(module), sleep_s=20, attempts=[1])
+    ids = [submit(client, m) for m in stalled]
+    running = {int(wait_stalled(redis_server, j)["worker_pid"]): j for j in ids}
+    assert set(running) == {w.pid for w in workers.workers}
+    victim_job = running[holder_pid]
+    horse = int(record(redis_server, victim_job)["pid"])
+    # queued behind them, each long enough to keep the surviving worker busy while the
+    # scheduler enqueues the retry
+    behind = [fresh_reshape(), fresh_reshape()]
+    for module in behind:
+        add_fault(fault_plan_file, sha(module), sleep_s=10, attempts=[1])
+    later = [submit(client, m) for m in behind]
+
+    holder = workers.by_pid(holder_pid)
+    os.kill(holder_pid, signal.SIGKILL)  # the worker alone, as the OOM killer would
+    holder.proc.wait(10)
+    wait_for(lambda: not pid_alive(scheduler), 10, "the scheduler to die with its worker")
+    wait_for(lambda: not pid_alive(horse), 10, "the work-horse to die with its worker")
+    r = redis_server.client()
+    wait_for(lambda: r.get(SCHEDULER_LOCK) != name.encode(), 10, "the lock to be released")
+
+    queue_key = "rq:queue:stackfuse"
+    queued = wait_for(
+        lambda: (
+            (ids_ := [i.decode() for i in r.lrange(queue_key, 0, -1)])
+            and victim_job in ids_
+            and ids_
+        ),
+        120,
+        "the killed job's retry to be enqueued",
+        0.05,
+    )
+    assert queued[0] == victim_job, queued  # at the front, whatever was queued before it
+    survivor = scheduler_holder(redis_server, workers)
+    assert survivor is not None and survivor[2] != holder_pid
+
+    done = {j: wait_job(client, j, timeout=180) for j in [*ids, *later]}
+    assert all(d["status"] == "succeeded" for d in done.values()), done
+    assert done[victim_job]["attempts"] == 2
+    assert done[victim_job]["started_at"] < done[later[-1]]["started_at"]
 
 
 # Last on purpose: the killed worker may hold RQ's scheduler lock (61 s TTL), which delays
