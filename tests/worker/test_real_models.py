@@ -63,6 +63,7 @@ def test_every_attention_site_fuses_stacked(case: str, tmp_path: Path) -> None:
     assert len(res.sites) == LAYERS
     assert len(res.fused) == LAYERS
     assert res.failures == []
+    assert res.reasons == []  # every site fused stacked: nothing to explain
     matches = res.match_entries()
     assert [m.kind for m in matches] == ["stacked"] * LAYERS
     assert {m.variant for m in matches} == {variant}
@@ -98,6 +99,15 @@ def test_rotary_neox_is_found_but_fuses_plain() -> None:
     _, (_, _, res), _ = _compiled("neox_rotary", "torch")
     assert len(res.sites) == LAYERS
     assert [f.pattern.kind for f in res.fused] == ["plain"] * LAYERS
+    # ... and the report says why, per site
+    assert [r.outcome for r in res.reasons] == ["fused_plain"] * LAYERS
+    assert [r.where.site for r in res.reasons if r.where] == [
+        f"main/attention#{i}" for i in range(LAYERS)
+    ]
+    for r in res.reasons:
+        assert "q passes through" in r.reason and "k passes through" in r.reason
+        assert "`multiply`" in r.reason and "after the split" in r.reason
+        assert "v passes" not in r.reason
 
 
 def test_import_model_writes_json_weights_and_manifest(tmp_path: Path) -> None:
