@@ -68,6 +68,24 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "BertConfig",
         {"vocab_size": 8192, "max_position_embeddings": 512},
     ),
+    # the Pythia-410m configuration (GPT-NeoX, rotary on a quarter of each head), vocabulary cut
+    "pythia_410m": (
+        "GPTNeoXModel",
+        "GPTNeoXConfig",
+        {
+            "num_hidden_layers": 24,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "intermediate_size": 4096,
+            "vocab_size": 8192,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "rope_type": "default",
+            },
+        },
+    ),
     # a Llama-style decoder: RoPE, GQA 32/8, SwiGLU, RMSNorm
     "llama": (
         "LlamaModel",
@@ -106,6 +124,7 @@ INIT_STD: dict[str, float] = {
     "bert_base": 0.02,
     "llama": 0.02,
     "llama_small": 0.02,
+    "pythia_410m": 0.02,
 }
 
 

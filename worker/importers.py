@@ -27,6 +27,7 @@ import hashlib
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,14 +149,28 @@ def _finish(mod: Any, num_input: int) -> tuple[Any, list[str]]:
         {"global_symbol": "main", "num_input": num_input}
     )
     out = tvm.IRModule({"main": new_func})
-    out, folded = fold_input_free(out)
-    if folded:
-        notes.append(f"folded {folded} input-free values (masks, position tables) to constants")
+    out, fold = _fold_input_free(out)
+    if fold.values:
+        n = len(fold.values)
+        notes.append(f"folded {n} input-free values (masks, position tables) to constants")
+    if fold.masks:
+        forms = ", ".join(f"{k} x{v}" for k, v in Counter(fold.mask_notes).items())
+        notes.append(
+            f"{len(fold.masks)} constant attention mask(s) taken as the attention's causal flag, "
+            f"not stored: {forms}"
+        )
     return out, notes
 
 
-#: input-free values larger than this stay computed (a folded [B, 1, S, S] mask is B*S*S bytes)
+#: input-free values larger than this stay computed where the service accepts the operator that
+#: computes them (their smaller inputs are folded instead); a value computed by an operator the
+#: service refuses (``cumsum`` of packed-sequence positions) is folded at any size
 FOLD_MAX_BYTES = 16 * 1024 * 1024
+#: input-free attention biases up to this size are evaluated to see whether they are causal or
+#: all-true masks ([B, 1, S, S]: 256 MiB is float16 at B32 S2048)
+MASK_MAX_BYTES = 1024 * 1024 * 1024
+#: an additive bias at or below this is "masked out" (as worker.normalize.MASKED)
+_MASKED = -1.0e4
 
 
 def _nbytes(ty: Any) -> int | None:
@@ -172,15 +187,159 @@ def _nbytes(ty: Any) -> int | None:
     return n * (1 if dtype == "bool" else np.dtype(dtype).itemsize)
 
 
+def mask_form(bias: np.ndarray, causal: str = "none") -> str | None:
+    """What a constant additive attention bias does, given the call's own ``causal`` flag:
+    ``"none"`` (attends everywhere), ``"TopLeft"`` or ``"BottomRight"`` (causal), or ``None``
+    (a real bias or a mask of another shape, which must stay). Same rule as normalize's
+    ``constant_mask``: open entries exactly 0, masked ones at or below -1e4, equal for every
+    batch entry and head."""
+    if bias.ndim != 4:
+        return None
+    keep = bias > _MASKED
+    if np.any(bias[keep] != 0.0):
+        return None
+    sq, skv = bias.shape[2], bias.shape[3]
+    i = np.arange(sq)[:, None]
+    j = np.arange(skv)[None, :]
+    want: dict[str, np.ndarray] = {
+        "none": np.ones((sq, skv), bool),
+        "TopLeft": j <= i,
+        "BottomRight": j <= i + (skv - sq),
+    }
+    if causal not in want:
+        return None
+    pattern = keep.reshape(-1, keep.shape[2], keep.shape[3])
+    first = pattern[0]
+    if not all(np.array_equal(first, pattern[n]) for n in range(1, pattern.shape[0])):
+        return None
+    effective = np.broadcast_to(first, (sq, skv)) & want[causal]
+    for name in ("none", "TopLeft", "BottomRight"):
+        if np.array_equal(effective, want[name] & want[causal]):
+            if name == "none":
+                return causal
+            return name if causal in ("none", name) else None
+    return None
+
+
+def _evaluate(order: list[Any], outputs: list[Any]) -> list[np.ndarray]:
+    """Run the input-free bindings ``order`` on the CPU (LLVM); the values of ``outputs``."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    with bb.function("main", []):
+        for b in order:
+            bb.emit_normalized(b)
+        bb.emit_func_output(relax.Tuple(outputs))
+    fold = relax.transform.DeadCodeElimination(["main"])(bb.get())
+    exe = tvm.compile(fold, target="llvm")
+    results = relax.VirtualMachine(exe, tvm.cpu())["main"]()
+    return [results[i].numpy() for i in range(len(outputs))]
+
+
+@dataclass
+class _Fold:
+    """What :func:`fold_input_free` decided: constants per variable, attention calls whose
+    constant mask became their ``causal_mask``, and the masks' descriptions for the notes."""
+
+    values: dict[Any, Any] = field(default_factory=dict)
+    masks: dict[Any, str] = field(default_factory=dict)
+    mask_notes: list[str] = field(default_factory=list)
+
+
+def _input_free(func: Any) -> list[Any]:
+    """Bindings of ``func`` (non-dataflow) whose values depend on no parameter, in order."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    params = set(func.params)
+    const: set[Any] = set()
+    order: list[Any] = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if not isinstance(b, relax.VarBinding):
+                continue
+            value = b.value
+            if isinstance(value, relax.Function | tvm.ir.expr.GenericConst):
+                continue
+            if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
+                continue
+            free = relax.analysis.free_vars(value)
+            if any(v in params or v not in const for v in free):
+                continue
+            const.add(b.var)
+            order.append(b)
+    return order
+
+
+def _mask_calls(func: Any, free: dict[Any, Any]) -> dict[Any, Any]:
+    """attention calls (by binding) whose bias is an input-free tensor -> that bias variable."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    out: dict[Any, Any] = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            call = b.value
+            if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)):
+                continue
+            if call.op.name != "relax.nn.attention_bias" or call.attrs.window_size is not None:
+                continue
+            bias = call.args[3]
+            size = _nbytes(bias.ty) if bias in free else None
+            if size is not None and size <= MASK_MAX_BYTES:
+                out[b.var] = bias
+    return out
+
+
+def _frontier(
+    order: list[Any], used_outside: set[Any], accepted: frozenset[str]
+) -> tuple[list[Any], int]:
+    """The input-free variables to fold: each one used outside the input-free part, except a
+    large value whose operator the service accepts, which stays computed from folded inputs
+    (``broadcast_to`` of a small constant stays ``broadcast_to``). Returns the variables and
+    how many bindings stay computed."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    by_var = {b.var: b for b in order}
+    frontier: list[Any] = []
+    kept = 0
+    needed = set(used_outside)
+    for b in reversed(order):
+        if b.var not in needed:
+            continue
+        size = _nbytes(b.var.ty) if isinstance(b.var.ty, relax.TensorType) else None
+        op = b.value.op.name if isinstance(b.value, relax.Call) else None
+        small = size is not None and size <= FOLD_MAX_BYTES
+        if small or (size is not None and op not in accepted):
+            frontier.append(b.var)
+            continue
+        kept += 1
+        needed.update(v for v in relax.analysis.free_vars(b.value) if v in by_var)
+    _ = tvm
+    return frontier[::-1], kept
+
+
 def fold_input_free(mod: Any) -> tuple[Any, int]:
     """Evaluate, on the CPU, every value of ``main`` that depends on no input; bind constants.
 
     TVM's FoldConstant folds only ``call_tir`` with constant arguments, not high-level ops such
     as ``arange``, so exported mask and position chains survive it. Here the input-free bindings
-    are compiled for LLVM as one function, run once, and their results replace them.
+    are compiled for LLVM, run once, and their results replace them. An attention bias that is
+    a constant causal or all-true mask is not stored at all: the call takes it as its
+    ``causal_mask`` (a [8, 1, 1024, 1024] float16 mask is 16 MiB of JSON per distinct value).
+    Returns the module and how many values were folded (masks included).
     """
+    out, fold = _fold_input_free(mod)
+    return out, len(fold.values) + len(fold.masks)
+
+
+def _fold_input_free(mod: Any) -> tuple[Any, _Fold]:
     tvm = import_tvm()
     from tvm import relax
+
+    from service.wire import ALLOWED_OPS
 
     @relax.expr_functor.mutator
     class _StaticShapeOf(relax.PyExprMutator):
@@ -199,75 +358,123 @@ def fold_input_free(mod: Any) -> tuple[Any, int]:
     mod = tvm.IRModule({"main": _StaticShapeOf(mod).visit_expr(mod["main"])})
     nd = relax.transform.ToNonDataflow()(mod)
     func = nd["main"]
-    params = set(func.params)
-    const: dict[Any, Any] = {}
-    order: list[Any] = []
-    for block in func.body.blocks:
-        for b in block.bindings:
-            if not isinstance(b, relax.VarBinding):
-                continue
-            value = b.value
-            if isinstance(value, relax.Function):
-                continue
-            if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
-                continue
-            free = relax.analysis.free_vars(value)
-            if any(v in params or v not in const for v in free):
-                continue
-            if isinstance(value, tvm.ir.expr.GenericConst):
-                continue
-            const[b.var] = b
-            order.append(b)
+    fold = _Fold()
+    order = _input_free(func)
     if not order:
-        return mod, 0
+        return mod, fold
+    free = {b.var: b for b in order}
+
+    # 1. constant masks: evaluated whatever their size, and never stored when causal/all-true
+    candidates = _mask_calls(func, free)
+    bias_vars = list(dict.fromkeys(candidates.values()))
+    arrays = dict(zip(bias_vars, _evaluate(order, bias_vars), strict=True)) if bias_vars else {}
+    masks: dict[Any, str] = {}
+    calls = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    for var, bias in candidates.items():
+        call = calls[var]
+        causal = call.attrs.causal_mask if call.attrs.causal_mask is not None else "none"
+        form = mask_form(arrays[bias].astype(np.float32), str(causal))
+        if form is not None:
+            masks[var] = form
+            what = "attends everywhere" if form == "none" else f"is causal ({form})"
+            fold.mask_notes.append(f"{list(arrays[bias].shape)} mask {what}")
+    fold.masks = masks
+
+    # 2. everything else used outside the input-free part is folded (or kept computed)
     used_outside: set[Any] = set()
     for block in func.body.blocks:
         for b in block.bindings:
-            if b.var in const:
+            if b.var in free:
                 continue
-            used_outside.update(relax.analysis.free_vars(b.value))
+            args = b.value.args[:3] if b.var in masks else [b.value]
+            for a in args:
+                used_outside.update(relax.analysis.free_vars(a))
     used_outside.update(relax.analysis.free_vars(func.body.body))
-    frontier = [
-        b.var
-        for b in order
-        if b.var in used_outside
-        and isinstance(b.var.ty, relax.TensorType)
-        and (_nbytes(b.var.ty) or FOLD_MAX_BYTES + 1) <= FOLD_MAX_BYTES
-    ]
-    if not frontier:
-        return mod, 0
-    bb = relax.BlockBuilder()
-    with bb.function("main", []):
-        for b in order:
-            bb.emit_normalized(b)
-        bb.emit_func_output(relax.Tuple(frontier))
-    fold = relax.transform.DeadCodeElimination(["main"])(bb.get())
-    exe = tvm.compile(fold, target="llvm")
-    vm = relax.VirtualMachine(exe, tvm.cpu())
-    results = vm["main"]()
+    used_outside &= set(free)
+    frontier, _kept = _frontier(order, used_outside, ALLOWED_OPS)
     # one constant per distinct value: exporters rebuild the same mask for every layer, and
     # the JSON stores a constant once per object (GPT-2 small at S1024: twelve 16 MiB masks)
     distinct: dict[tuple[str, tuple[int, ...], str], Any] = {}
-    values = {}
-    for i, v in enumerate(frontier):
-        arr = results[i].numpy()
+    results = _evaluate(order, frontier) if frontier else []
+    for v, arr in zip(frontier, results, strict=True):
         dtype = str(v.ty.dtype).removeprefix("T.")
         key = (dtype, arr.shape, hashlib.sha256(arr.tobytes()).hexdigest())
         if key not in distinct:
             distinct[key] = relax.const(arr, dtype)
-        values[v] = distinct[key]
+        fold.values[v] = distinct[key]
+    if not fold.values and not masks:
+        return mod, fold
+    values = fold.values
 
     @relax.expr_functor.mutator
     class _Bind(relax.PyExprMutator):
         def visit_var_(self, var: Any) -> Any:
             return values.get(var, var)
 
+        def visit_var_binding_(self, binding: Any) -> None:
+            form = masks.get(binding.var)
+            if form is None:
+                super().visit_var_binding_(binding)
+                return
+            call = binding.value
+            q, k, v = (self.visit_expr(a) for a in call.args[:3])
+            att = relax.op.nn.attention(
+                q, k, v, None, call.attrs.scale, causal_mask=None if form == "none" else form
+            )
+            att = self.builder_.normalize(att)
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, att))
+
     new = _Bind(nd).visit_expr(func)
     out = tvm.IRModule({"main": new})
     out = relax.transform.ConvertToDataflow(min_size=1)(out)
     out = relax.transform.DeadCodeElimination(["main"])(out)
     out = relax.transform.CanonicalizeBindings()(out)
-    return out, len(frontier)
+    return out, fold
+
+
+#: the service's default request body limit (service.settings.Settings.max_body_bytes)
+BODY_LIMIT_BYTES = 64 * 1024 * 1024
+
+
+def largest_constants(mod: Any, n: int = 3) -> list[tuple[int, str]]:
+    """The ``n`` largest distinct constants of ``mod`` as (bytes, "shape dtype, used by op in
+    binding"), largest first: what to look at when a module is too large to submit."""
+    tvm = import_tvm()
+    from tvm import relax
+
+    seen: dict[Any, tuple[int, str]] = {}
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function):
+            continue
+        for block in func.body.blocks:
+            for b in block.bindings:
+                found: list[Any] = []
+                relax.analysis.post_order_visit(b.value, found.append)
+                value = b.value
+                is_op = isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+                op = value.op.name if is_op else type(value).__name__
+                for c in found:
+                    if not isinstance(c, tvm.ir.expr.GenericConst) or c in seen:
+                        continue
+                    shape = [int(d) for d in c.value.shape]
+                    dtype = str(c.value.dtype)
+                    bits = 16 if dtype == "bfloat16" else 8 * np.dtype(dtype).itemsize
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * bits // 8
+                    seen[c] = (
+                        nbytes,
+                        f"{shape} {dtype} ({nbytes / 2**20:.1f} MiB) used by {op} in "
+                        f"{gv.name_hint}/{b.var.name}",
+                    )
+    return sorted(seen.values(), key=lambda t: -t[0])[:n]
+
+
+def over_limit_message(mod: Any, size: int, limit: int = BODY_LIMIT_BYTES) -> str:
+    """Why a module of ``size`` JSON bytes cannot be submitted, naming its largest constants."""
+    biggest = "; ".join(text for _, text in largest_constants(mod))
+    return (
+        f"the module is {size / 2**20:.1f} MiB of JSON, over the service's "
+        f"{limit / 2**20:.0f} MiB body limit; largest constants: {biggest or 'none'}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -727,8 +934,13 @@ def run_cli(args: argparse.Namespace, settings: Any = None) -> int:
     size = out.stat().st_size
     print(f"module: {out} ({size} bytes)")
     print(f"weights: {params_path(out)}")
-    if size > 64 * 1024 * 1024:
-        print("warning: the module is over the service's 64 MiB body limit", file=sys.stderr)
+    if size > BODY_LIMIT_BYTES:
+        tvm = import_tvm()
+        message = over_limit_message(tvm.ir.load_json(out.read_text()), size)
+        if args.submit:
+            print(f"stackfuse: error: {message}", file=sys.stderr)
+            return 2
+        print(f"warning: {message}", file=sys.stderr)
     if not args.submit:
         return 0
     import httpx

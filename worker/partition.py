@@ -39,7 +39,7 @@ from worker.attention import (  # noqa: E402
     BiasSpec,
     TensorAccess,
 )
-from worker.report import CheckFailure, Layout, Match, Where  # noqa: E402
+from worker.report import CheckFailure, Layout, Match, SiteReason, Where  # noqa: E402
 
 CODEGEN = "cutlass"
 Fused = TypeVar("Fused")
@@ -941,6 +941,8 @@ class PartitionResult:
     #: fused sites, in site order
     fused: list[SiteMatch]
     failures: list[CheckFailure]
+    #: why each site that is not fused stacked is not, and chains not seen as attention
+    reasons: list[SiteReason] = field(default_factory=list)
 
     def match_entries(self) -> list[Match]:
         out = []
@@ -1080,9 +1082,11 @@ def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -
         for sid, ff in _sites_of_calls(fused_mod, sites, functions)
     ]
     matches.sort(key=lambda sm: int(sm.site))
-    return PartitionResult(
+    result = PartitionResult(
         fused_mod, sites, list(functions.values()), matches, list(failures.values())
     )
+    result.reasons = site_reasons(mod, result)
+    return result
 
 
 def fuse_patterns(
@@ -1192,3 +1196,142 @@ def _fused_function(gv: ir.GlobalVar, func: Any) -> FusedFunction | None:
         msgs = "; ".join(f.message for f in an.failures)
         raise AssertionError(f"fused function {gv.name_hint} fails its checks: {msgs}")
     return FusedFunction(gv, pdef, an)
+
+
+# --------------------------------------------------------------------------------------------
+# why a site is not fused stacked (report.site_reasons)
+# --------------------------------------------------------------------------------------------
+#: operators that only view their input: q, k and v reached through these alone are slices of
+#: the tensor they come from
+VIEW_OPS = frozenset(
+    {"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze", "relax.astype"}
+)
+#: where a stacked tensor is cut into q, k and v
+CUT_OPS = frozenset({"relax.split", "relax.strided_slice"})
+#: at most this many bindings are walked back from an operand
+TRACE_DEPTH = 24
+
+
+def _bindings(func: relax.Function) -> dict[Any, Any]:
+    return {b.var: b.value for block in func.body.blocks for b in block.bindings}
+
+
+def _op_name(expr: Any) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, ir.Op):
+        return str(expr.op.name)
+    return None
+
+
+def _trace_to_cut(expr: Any, values: dict[Any, Any]) -> tuple[bool, list[str]]:
+    """Walk back from ``expr`` over every path up to a split/slice (or a parameter); return
+    whether a split/slice was reached and the non-view operators passed on the way (rotary:
+    ``multiply``, ``add``, ``concat``)."""
+    passed: list[str] = []
+    cut = False
+    todo, visited = [expr], 0
+    seen: set[Any] = set()
+    while todo and visited < TRACE_DEPTH:
+        e = todo.pop(0)
+        if e in seen:
+            continue
+        seen.add(e)
+        visited += 1
+        e = values.get(e, e)
+        if isinstance(e, relax.TupleGetItem):
+            e = values.get(e.tuple_value, e.tuple_value)
+        op = _op_name(e)
+        if op is None:
+            continue
+        if op in CUT_OPS:
+            cut = True
+            continue
+        if op not in VIEW_OPS:
+            passed.append(op.removeprefix("relax."))
+        for a in e.args:
+            todo.extend(a.fields if isinstance(a, relax.Tuple) else [a])
+    return cut, passed
+
+
+def _plain_reason(call: relax.Call, values: dict[Any, Any]) -> str:
+    computed = []
+    for name, arg in zip("qkv", call.args[:3], strict=True):
+        cut, passed = _trace_to_cut(arg, values)
+        if passed:
+            ops = ", ".join(f"`{o}`" for o in dict.fromkeys(passed))
+            computed.append(f"{name} passes through {ops}" + (" after the split" if cut else ""))
+    if computed:
+        return (
+            "; ".join(computed) + ": not a view of one stacked tensor (rotary embeddings, a "
+            "projection of its own), so fused as plain attention with q, k, v in memory"
+        )
+    return (
+        "q, k and v are views of one tensor, but no stacked pattern accepted them: see "
+        "check_failures for this site; fused as plain attention"
+    )
+
+
+def _unfused_chains(func: relax.Function, values: dict[Any, Any]) -> list[str]:
+    """``matmul -> ... -> softmax -> matmul`` chains left as they are: attention that the
+    matcher never reached (ALiBi through ``baddbmm``, a bias computed from an input)."""
+    users: dict[Any, list[Any]] = {}
+    for value in values.values():
+        for a in getattr(value, "args", []):
+            if isinstance(a, relax.Var):
+                users.setdefault(a, []).append(value)
+    out = []
+    for var, value in values.items():
+        if _op_name(value) != "relax.nn.softmax":
+            continue
+        between: list[str] = []
+        e, steps = value.args[0], 0
+        while steps < 8 and _op_name(values.get(e)) not in (None, "relax.matmul"):
+            nxt = values[e]
+            between.append(str(_op_name(nxt)).removeprefix("relax."))
+            e = next((a for a in nxt.args if isinstance(a, relax.Var) and a in values), None)
+            steps += 1
+        if _op_name(values.get(e)) != "relax.matmul":
+            continue
+        if not any(_op_name(u) == "relax.matmul" for u in users.get(var, [])):
+            continue
+        ops = ", ".join(f"`{o}`" for o in dict.fromkeys(between)) or "nothing"
+        out.append(
+            f"`{name_of(var)}`: matmul -> softmax -> matmul with {ops} between the scores and "
+            "the softmax was not recognised as attention (a bias that is not constant, such "
+            "as ALiBi or a mask built from an input, or a scale on both q and k); it runs "
+            "unfused in TVM"
+        )
+    return out
+
+
+def site_reasons(tagged: tvm.IRModule, result: PartitionResult) -> list[SiteReason]:
+    """One :class:`SiteReason` per site not fused stacked, and one per chain that computes
+    attention but was never a site. ``tagged`` is the module before fusion, sites tagged."""
+    kinds = {sm.site: sm.pattern.kind for sm in result.fused}
+    failed: dict[str, list[str]] = {}
+    for f in result.failures:
+        failed.setdefault(f.where.site, []).append(f.message)
+    out: list[SiteReason] = []
+    for func in tagged.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        values = _bindings(func)
+        for value in values.values():
+            sid = site_of(value) if _is_attention(value) else None
+            if sid is None or kinds.get(sid) == "stacked":
+                continue
+            where = _where_for(result.sites, sid)
+            if kinds.get(sid) == "plain":
+                out.append(
+                    SiteReason(
+                        where=where, outcome="fused_plain", reason=_plain_reason(value, values)
+                    )
+                )
+                continue
+            why = "; ".join(dict.fromkeys(failed.get(where.site, []))) or "no pattern matched"
+            out.append(
+                SiteReason(where=where, outcome="not_offloaded", reason=f"left to TVM: {why}")
+            )
+        out.extend(
+            SiteReason(outcome="not_attention", reason=r) for r in _unfused_chains(func, values)
+        )
+    return out

@@ -143,12 +143,14 @@ def compile_module(
         report.gemms = gemms.entries
         report.matches = result.match_entries()
         report.check_failures = result.failures
+        report.site_reasons = result.reasons
         stacked = sum(1 for f in result.fused if f.pattern.kind == "stacked")
         report.summary = Summary(
             attention_sites=len(result.sites),
             fused_stacked=stacked,
             fused_plain=len(result.fused) - stacked,
             not_offloaded=len(result.sites) - len(result.fused),
+            not_attention=sum(1 for r in result.reasons if r.outcome == "not_attention"),
             gemm_sites=len(gemms.entries),
             gemm_offloaded=sum(1 for e in gemms.entries if e.offloaded),
         )

@@ -121,11 +121,23 @@ class Rewrite(BaseModel):
     message: str
 
 
+class SiteReason(BaseModel):
+    """Why an attention site is not fused stacked, or why a chain that computes attention was
+    not seen as one, in a sentence a person can act on."""
+
+    where: Where | None = None
+    outcome: Literal["fused_plain", "not_offloaded", "not_attention"]
+    reason: str
+
+
 class Summary(BaseModel):
     attention_sites: int = 0
     fused_stacked: int = 0
     fused_plain: int = 0
     not_offloaded: int = 0
+    not_attention: int = Field(
+        default=0, description="matmul -> softmax -> matmul chains not recognised as attention."
+    )
     gemm_sites: int = 0
     gemm_offloaded: int = 0
     gemm_configurations: int = Field(
@@ -162,6 +174,7 @@ class Report(BaseModel):
     normalizations: list[Rewrite] = Field(default_factory=list)
     matches: list[Match] = Field(default_factory=list)
     check_failures: list[CheckFailure] = Field(default_factory=list)
+    site_reasons: list[SiteReason] = Field(default_factory=list)
     gemms: list[GemmSite] = Field(default_factory=list)
     summary: Summary = Field(default_factory=Summary)
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per stage.")

@@ -70,6 +70,7 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "fused_stacked": 1,
         "fused_plain": 0,
         "not_offloaded": 0,
+        "not_attention": 0,
         "gemm_sites": 0,
         "gemm_offloaded": 0,
         "gemm_configurations": 0,

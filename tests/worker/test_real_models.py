@@ -46,10 +46,11 @@ def _compiled(name: str, route: str, tmp: Path | None = None) -> tuple[Any, Any,
 
 
 EXPECT = {
-    # name: (route, variant, rewrites that must have fired)
-    "gpt2": ("torch", "split", {"constant_mask", "transpose_pairs", "integer_power"}),
-    "bert": ("torch", "split", {"constant_mask", "transpose_pairs", "combine_qkv"}),
-    "neox": ("torch", "interleaved", {"constant_mask", "transpose_pairs", "empty_concat"}),
+    # name: (route, variant, rewrites that must have fired); torch.export's constant masks are
+    # taken as the causal flag at import, so normalize's constant_mask fires only for ONNX
+    "gpt2": ("torch", "split", {"transpose_pairs", "integer_power"}),
+    "bert": ("torch", "split", {"transpose_pairs", "combine_qkv"}),
+    "neox": ("torch", "interleaved", {"transpose_pairs", "empty_concat"}),
     "gpt2_onnx": ("onnx", "split", {"decomposed_attention", "constant_mask", "transpose_pairs"}),
 }
 
@@ -62,10 +63,14 @@ def test_every_attention_site_fuses_stacked(case: str, tmp_path: Path) -> None:
     assert len(res.sites) == LAYERS
     assert len(res.fused) == LAYERS
     assert res.failures == []
+    assert res.reasons == []  # every site fused stacked: nothing to explain
     matches = res.match_entries()
     assert [m.kind for m in matches] == ["stacked"] * LAYERS
     assert {m.variant for m in matches} == {variant}
     assert must <= {r.rewrite for r in rewrites}
+    if route == "torch":
+        assert any("mask(s) taken as the attention's causal flag" in n for n in imported.notes)
+        assert "constant_mask" not in {r.rewrite for r in rewrites}
     sites = {r.where.site for r in rewrites if r.where is not None}
     assert sites <= {f"main/attention#{i}" for i in range(LAYERS)}
     if name in ("gpt2", "neox"):
@@ -94,6 +99,15 @@ def test_rotary_neox_is_found_but_fuses_plain() -> None:
     _, (_, _, res), _ = _compiled("neox_rotary", "torch")
     assert len(res.sites) == LAYERS
     assert [f.pattern.kind for f in res.fused] == ["plain"] * LAYERS
+    # ... and the report says why, per site
+    assert [r.outcome for r in res.reasons] == ["fused_plain"] * LAYERS
+    assert [r.where.site for r in res.reasons if r.where] == [
+        f"main/attention#{i}" for i in range(LAYERS)
+    ]
+    for r in res.reasons:
+        assert "q passes through" in r.reason and "k passes through" in r.reason
+        assert "`multiply`" in r.reason and "after the split" in r.reason
+        assert "v passes" not in r.reason
 
 
 def test_import_model_writes_json_weights_and_manifest(tmp_path: Path) -> None:
