@@ -390,6 +390,17 @@ class _Local(relax.PyExprMutator):
         return call
 
     # ---- decomposed attention ------------------------------------------------------------
+    def const_scalar(self, expr: Any) -> float | None:
+        """A one-element constant, also through ``astype`` (the float16 export casts a float32
+        scale): the value as the cast leaves it."""
+        val = self.value(expr)
+        if _op(val) == "relax.astype":
+            c = _scalar(self.value(val.args[0]))
+            if c is None:
+                return None
+            return float(np.asarray(c, dtype="float32").astype(_dtype(val)))
+        return _scalar(val)
+
     def strip_scale(self, expr: Any) -> tuple[Any, float]:
         """Peel ``x * c`` / ``x / c`` (c a scalar constant) off ``expr``: (x, product of c)."""
         scale = 1.0
@@ -398,9 +409,9 @@ class _Local(relax.PyExprMutator):
             op = _op(val)
             if op in ("relax.multiply", "relax.divide"):
                 a, b = val.args
-                c = _scalar(self.value(b))
+                c = self.const_scalar(b)
                 if c is None and op == "relax.multiply":
-                    c = _scalar(self.value(a))
+                    c = self.const_scalar(a)
                     a = b
                 if c is None or c == 0.0:
                     return expr, scale
@@ -409,8 +420,83 @@ class _Local(relax.PyExprMutator):
                 continue
             return expr, scale
 
+    def _uncast(self, expr: Any) -> Any:
+        """``x`` for ``astype(x)``: the float16 exports run the softmax in float32 between
+        casts, which is how the kernels compute it too."""
+        val = self.value(expr)
+        return val.args[0] if _op(val) == "relax.astype" else expr
+
+    def unmerge(self, x3: Any, transposed: bool) -> tuple[Any, tuple[int, int], float] | None:
+        """``x3`` ``[B*N, S, H]`` (``[B*N, H, S]`` when ``transposed``: k after its 3-D
+        transpose) made by merging the heads of a 4-D tensor: (that tensor as ``[B, S, N, H]``,
+        (B, N), the scale peeled on the way). None for any other form."""
+        x, scale = self.strip_scale(x3)
+        val = self.value(x)
+        xs = _shape(x)
+        if xs is None or len(xs) != 3:
+            return None
+        if transposed and _op(val) == "relax.permute_dims" and _axes(val) == [0, 2, 1]:
+            got = self.unmerge(val.args[0], False)
+            return None if got is None else (got[0], got[1], got[2] * scale)
+        if _op(val) != "relax.reshape":
+            return None
+        src, s_src = self.strip_scale(val.args[0])
+        ss = _shape(src)
+        if ss is None or len(ss) != 4 or ss[0] * ss[1] != xs[0] or ss[2:] != xs[1:]:
+            return None
+        # src is [B, N, S, H] (or [B, N, H, S] for transposed k)
+        perm = [0, 3, 1, 2] if transposed else [0, 2, 1, 3]
+        bsnh = self.emit(relax.op.permute_dims(src, perm), "bsnh")
+        return bsnh, (ss[0], ss[1]), scale * s_src
+
+    def merged_operands(
+        self, q3: Any, kt3: Any, v3: Any
+    ) -> tuple[list[Any], tuple[int, int] | None, float] | None:
+        """q, k, v as ``[B, S, N, H]`` for a batch-merged 3-D decomposition (upstream's rewrite
+        form): with the heads recovered when all three merged the same (B, N), else each batch
+        entry as one head (``[B*N, S, 1, H]``, which means the same). Returns (q, k, v), the
+        (B, N) recovered (None: one head each) and the scale peeled."""
+        qs, ks, vs = _shape(q3), _shape(kt3), _shape(v3)
+        if qs is None or ks is None or vs is None:
+            return None
+        if not (qs[0] == ks[0] == vs[0] and qs[2] == ks[1] and ks[2] == vs[1]):
+            return None
+        parts = [self.unmerge(q3, False), self.unmerge(kt3, True), self.unmerge(v3, False)]
+        if all(p is not None for p in parts) and len({p[1] for p in parts}) == 1:  # type: ignore[index]
+            scale = math.prod(p[2] for p in parts)  # type: ignore[index]
+            return [p[0] for p in parts], parts[0][1], scale  # type: ignore[index]
+        q, s_q = self.strip_scale(q3)
+        kt, s_k = self.strip_scale(kt3)
+        k = self.emit(relax.op.permute_dims(kt, [0, 2, 1]), "k")
+        out = [
+            self.emit(relax.op.reshape(x, [s[0], s[1], 1, s[2]]), "bsnh")
+            for x, s in ((q, qs), (k, [ks[0], ks[2], ks[1]]), (v3, vs))
+        ]
+        return out, None, s_q * s_k
+
+    def merged_mask(self, mask: Any, bn: int, heads: tuple[int, int] | None) -> Any:
+        """A 3-D (or lower) mask on the merged scores as the 4-D bias of the attention, or
+        None when its batch dim is neither 1 nor B*N."""
+        ms = _shape(mask)
+        if ms is None or len(ms) > 3:
+            return None
+        ms = [1] * (3 - len(ms)) + ms
+        src = self.value(mask)
+        if heads is not None and _op(src) == "relax.reshape":
+            ss = _shape(src.args[0])
+            if ss is not None and len(ss) == 4 and ss[:2] == list(heads) and ss[2:] == ms[1:]:
+                return src.args[0]  # upstream reshapes a [B, N, S, S_kv] bias to [B*N, ...]
+        if ms[0] == 1:
+            return self.emit(relax.op.reshape(mask, [1, 1, ms[1], ms[2]]), "bias")
+        if ms[0] != bn:
+            return None
+        lead = list(heads) if heads is not None else [bn, 1]
+        return self.emit(relax.op.reshape(mask, [*lead, ms[1], ms[2]]), "bias")
+
     def decomposed(self, call: relax.Call) -> Any:
-        """``matmul(softmax(scale * q @ kT [+ mask], -1), v)`` (4-D, [B, N, S, H]) -> attention."""
+        """``matmul(softmax(scale * q @ kT [+ mask], -1), v)`` -> attention: 4-D ``[B, N, S,
+        H]``, or 3-D with batch and heads merged (``[B*N, S, H]``, upstream TVM's rewrite form,
+        heads recovered from the reshapes that merged them)."""
         probs = self.value(call.args[0])
         v = call.args[1]
         safe = False
@@ -421,11 +507,14 @@ class _Local(relax.PyExprMutator):
                 if _op(inner) == "relax.nn.softmax" and self.value(probs.args[2]).same_as(inner):
                     probs, safe = inner, True
             _ = p
-        if _op(probs) != "relax.nn.softmax" or _ndim(call) != 4:
+        if _op(probs) == "relax.astype":
+            probs = self.value(probs.args[0])
+        rank = _ndim(call)
+        if _op(probs) != "relax.nn.softmax" or rank not in (3, 4):
             return call
-        if int(probs.attrs.axis) not in (-1, 3):
+        if int(probs.attrs.axis) % rank != rank - 1:
             return call
-        scores = probs.args[0]
+        scores = self._uncast(probs.args[0])
         scores_v = self.value(scores)
         mask = None
         if _op(scores_v) == "relax.add":
@@ -440,44 +529,66 @@ class _Local(relax.PyExprMutator):
         mm = self.value(scores)
         if _op(mm) != "relax.matmul":
             return call
-        q, s_q = self.strip_scale(mm.args[0])
-        kt, s_k = self.strip_scale(mm.args[1])
-        if not (_ndim(q) == _ndim(kt) == _ndim(v) == 4):
-            return call
-        qs, kts, vs = _shape(q), _shape(kt), _shape(v)
-        if qs is None or kts is None or vs is None:
-            return call
-        if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[:2] == vs[:2] == kts[:2]):
+        if not (_ndim(mm.args[0]) == _ndim(mm.args[1]) == _ndim(v) == rank):
             return call
         dtype = _dtype(call)
+        heads: tuple[int, int] | None = None
+        if rank == 4:
+            q, s_q = self.strip_scale(mm.args[0])
+            kt, s_k = self.strip_scale(mm.args[1])
+            qs, kts, vs = _shape(q), _shape(kt), _shape(v)
+            if qs is None or kts is None or vs is None:
+                return call
+            if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[:2] == vs[:2] == kts[:2]):
+                return call
+            to_bsnh = [0, 2, 1, 3]
+            qb = self.emit(relax.op.permute_dims(q, to_bsnh))
+            kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
+            vb = self.emit(relax.op.permute_dims(v, to_bsnh))
+            s_in = s_q * s_k
+        else:
+            merged = self.merged_operands(mm.args[0], mm.args[1], v)
+            if merged is None:
+                return call
+            (qb, kb, vb), heads, s_in = merged
         if mask is not None:
+            if rank == 3:
+                bn = (_shape(mm.args[0]) or [0])[0]
+                mask = self.merged_mask(mask, bn, heads)
+                if mask is None:
+                    return call
             if _ndim(mask) > 4:
                 return call
             while _ndim(mask) < 4:
                 mask = self.emit(relax.op.expand_dims(mask, 0))
             if _dtype(mask) != dtype:
                 mask = self.emit(relax.op.astype(mask, dtype))
-        scale = s_out * s_q * s_k
-        to_bsnh = [0, 2, 1, 3]
-        qb = self.emit(relax.op.permute_dims(q, to_bsnh))
-        kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
-        vb = self.emit(relax.op.permute_dims(v, to_bsnh))
+        scale = s_out * s_in
         call_att, tag = self.log.tagged(
             relax.op.nn.attention(qb, kb, vb, mask, tirx.FloatImm("float32", scale))
         )
         att = self.emit(call_att, "attn")
+        form = "4-D" if rank == 4 else "batch-merged 3-D"
+        if rank == 3:
+            form += f" ({heads[0]} x {heads[1]} heads)" if heads else " (one head per batch entry)"
         self.log.sites.append(
             (
                 "decomposed_attention",
                 tag,
-                f"matmul -> scale {scale:.6g} -> "
+                f"{form} matmul -> scale {scale:.6g} -> "
                 + ("mask -> " if mask is not None else "")
                 + ("softmax (NaN-safe) -> " if safe else "softmax -> ")
                 + "matmul recovered as one attention",
             )
         )
         self.log.counts["decomposed_attention"] += 1
-        return relax.op.permute_dims(att, to_bsnh)
+        if rank == 4:
+            return relax.op.permute_dims(att, [0, 2, 1, 3])
+        out = _shape(call)
+        assert out is not None
+        if heads is not None:
+            att = self.emit(relax.op.permute_dims(att, [0, 2, 1, 3]), "bnsh")
+        return relax.op.reshape(att, out)
 
     # ---- RMSNorm ------------------------------------------------------------------------
     def _rms_parts(self, y: Any) -> tuple[Any, float] | None:
