@@ -56,6 +56,9 @@ from tvm import ir, relax, tirx  # noqa: E402
 
 #: an additive bias at or below this is "masked out": exp(-1e4) underflows to 0 in fp32
 MASKED = -1.0e4
+#: the additive bias of a key outside a sliding window: finite in float16 (an all-masked row
+#: stays a number) and far below any score, so exp() of it is 0 in float32
+WINDOW_MASKED = -3.0e4
 #: at most this many fixpoint rounds of the local rewrites
 MAX_ROUNDS = 6
 ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
@@ -187,7 +190,9 @@ class _Local(relax.PyExprMutator):
             if out is call:
                 out = self.tanh_gelu(call)
             return self.silu(call) if out is call else out
-        if op == "relax.nn.attention_bias":
+        if _op(call) in ATTENTION_OPS and call.attrs.window_size is not None:
+            call = self.sliding_window(call)
+        if _op(call) == "relax.nn.attention_bias":
             call = self.constant_mask(call)
         if _op(call) in ATTENTION_OPS and self.gqa:
             call = self.grouped_kv(call)
@@ -796,6 +801,59 @@ class _Local(relax.PyExprMutator):
             )
         )
         self.log.counts["combine_qkv"] += 1
+        return att
+
+    # ---- sliding windows -> an explicit mask ---------------------------------------------
+    def sliding_window(self, call: relax.Call) -> Any:
+        """``attention(..., causal_mask=C, window_size=W)`` -> ``attention_bias`` with the window
+        as an additive mask computed in the graph (``arange``, compare, ``where``: no constant,
+        symbolic lengths work) and the causal mask kept. TVM cannot legalize a window
+        ("Legalization for sliding-window attention is not supported yet"), and no kernel of
+        ours reads one; the masked form builds on every path and the SM80-class kernel takes it.
+        Key j is seen from query i when ``i + off - W < j <= i + off``, ``off`` 0 (TopLeft) or
+        ``S_kv - S`` (BottomRight): flash-attention's left window of ``W - 1`` keys, as upstream
+        TVM's CUTLASS offload passes it. No causal mode: left for partition to refuse."""
+        attrs = call.attrs
+        causal = str(attrs.causal_mask) if attrs.causal_mask is not None else "none"
+        w = int(attrs.window_size.value)
+        if causal not in ("TopLeft", "BottomRight") or w < 1:
+            return call
+        q, k = call.args[0], call.args[1]
+        qs, ks = q.ty.shape, k.ty.shape
+        if not isinstance(qs, relax.ShapeExpr) or not isinstance(ks, relax.ShapeExpr):
+            return call
+        s, skv = qs.values[1], ks.values[1]
+        dtype = _dtype(call)
+        rows = self.emit(relax.op.arange(0, s, 1, "int32"), "rows")
+        # j - off for j = 0 .. S_kv - 1
+        start, end = (s - skv, s) if causal == "BottomRight" else (0, skv)
+        cols = self.emit(relax.op.arange(start, end, 1, "int32"), "cols")
+        dist = self.emit(
+            relax.op.subtract(relax.op.expand_dims(cols, [0]), relax.op.expand_dims(rows, [1])),
+            "dist",
+        )
+        inside = self.emit(relax.op.greater(dist, relax.const(-w, "int32")), "in_window")
+        mask = self.emit(
+            relax.op.where(inside, relax.const(0.0, dtype), relax.const(WINDOW_MASKED, dtype)),
+            "window_mask",
+        )
+        mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "window_mask")
+        bias = call.args[3] if len(call.args) > 3 else None
+        if bias is not None:
+            mask = self.emit(relax.op.add(bias, mask), "window_bias")
+        q_, k_, v_ = call.args[:3]
+        att, tag = self.log.tagged(
+            relax.op.nn.attention(q_, k_, v_, mask, attrs.scale, causal_mask=causal), call
+        )
+        self.log.sites.append(
+            (
+                "sliding_window",
+                tag,
+                f"window_size={w} ({causal}) written as an additive mask computed in the graph, "
+                f"the causal mask kept: TVM cannot legalize a window",
+            )
+        )
+        self.log.counts["sliding_window"] += 1
         return att
 
     # ---- constant masks ------------------------------------------------------------------
