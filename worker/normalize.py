@@ -7,7 +7,14 @@ Each rewrite here undoes one such habit, is local, keeps the function's meaning,
 as a :class:`~worker.report.Rewrite`:
 
 - ``decomposed_attention``: ``softmax(scale * q @ kT + mask) @ v`` -> ``R.nn.attention`` (scale
-  constants found on the scores, on q or on k; an additive mask becomes the bias);
+  constants found on the scores, on q or on k, cast or not; an additive mask becomes the bias),
+  on 4-D ``[B, N, S, H]`` matmuls or on batch-merged 3-D ones (``[B*N, S, H]``, upstream TVM's
+  rewrite form: the heads are recovered from the reshapes that merged them, else each batch
+  entry is one head);
+- ``sliding_window``: ``window_size`` (with a causal mask) becomes an additive mask computed in
+  the graph: TVM cannot legalize a window, and no kernel of ours reads one;
+- ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` becomes one attention
+  with a block-diagonal mask computed from ``seqstart``: TVM cannot legalize it;
 - ``constant_mask``: a constant additive bias that is causal (or attends everywhere) becomes
   ``causal_mask`` (or no bias): the kernel masks without reading a tensor;
 - ``transpose_pairs``: ``permute_dims`` chains compose; identities vanish; a transpose is moved
@@ -20,7 +27,8 @@ as a :class:`~worker.report.Rewrite`:
 - ``integer_power``: ``x ** 3`` (GPT-2's GELU) becomes multiplies: fast-math CUDA ``powf`` is
   NaN for negative x, which made whole GPT-2 libraries return NaN;
 - ``grouped_kv``: K and V repeated up to the query heads (transformers' ``repeat_kv``:
-  ``expand_dims -> broadcast_to -> reshape``, or ``R.repeat``) are read with their own head
+  ``expand_dims -> broadcast_to -> reshape``, ``R.repeat``, or one head ``broadcast_to`` all
+  of them) are read with their own head
   count: grouped-query attention, query head i on key/value head i // (Nq / Nkv), with no
   repeated copy. Only for sm_90 in float16/bfloat16, where the Hopper kernel reads GQA
   (elsewhere the repeated heads keep the site on the other kernels; TVM's fallback repeats them
@@ -190,6 +198,8 @@ class _Local(relax.PyExprMutator):
             if out is call:
                 out = self.tanh_gelu(call)
             return self.silu(call) if out is call else out
+        if op == "relax.nn.attention_var_len":
+            return self.var_len(call)
         if _op(call) in ATTENTION_OPS and call.attrs.window_size is not None:
             call = self.sliding_window(call)
         if _op(call) == "relax.nn.attention_bias":
@@ -466,10 +476,11 @@ class _Local(relax.PyExprMutator):
             return None
         if not (qs[0] == ks[0] == vs[0] and qs[2] == ks[1] and ks[2] == vs[1]):
             return None
-        parts = [self.unmerge(q3, False), self.unmerge(kt3, True), self.unmerge(v3, False)]
-        if all(p is not None for p in parts) and len({p[1] for p in parts}) == 1:  # type: ignore[index]
-            scale = math.prod(p[2] for p in parts)  # type: ignore[index]
-            return [p[0] for p in parts], parts[0][1], scale  # type: ignore[index]
+        got = [self.unmerge(q3, False), self.unmerge(kt3, True), self.unmerge(v3, False)]
+        parts = [p for p in got if p is not None]
+        if len(parts) == 3 and len({p[1] for p in parts}) == 1:
+            scale = parts[0][2] * parts[1][2] * parts[2][2]
+            return [p[0] for p in parts], parts[0][1], scale
         q, s_q = self.strip_scale(q3)
         kt, s_k = self.strip_scale(kt3)
         k = self.emit(relax.op.permute_dims(kt, [0, 2, 1]), "k")
@@ -669,10 +680,21 @@ class _Local(relax.PyExprMutator):
             axis = int(x.attrs.axis) if x.attrs.axis is not None else None
             if axis is not None and axis % 4 == heads_axis:
                 base = x.args[0]
+        elif _op(x) == "relax.broadcast_to":  # one K/V head broadcast to all (MQA)
+            src, xs = _shape(x.args[0]), _shape(x)
+            if (
+                src is not None
+                and xs is not None
+                and len(src) == 4
+                and src[heads_axis] == 1
+                and [d for i, d in enumerate(src) if i != heads_axis]
+                == [d for i, d in enumerate(xs) if i != heads_axis]
+            ):
+                base = x.args[0]
         elif _op(x) == "relax.reshape":
             b = self.value(x.args[0])
             e = self.value(b.args[0]) if _op(b) == "relax.broadcast_to" else None
-            if _op(e) == "relax.expand_dims" and _ints(e.attrs.axis) in (
+            if e is not None and _op(e) == "relax.expand_dims" and _ints(e.attrs.axis) in (
                 [heads_axis + 1],
                 [heads_axis + 1 - 5],
             ):
@@ -854,6 +876,73 @@ class _Local(relax.PyExprMutator):
             )
         )
         self.log.counts["sliding_window"] += 1
+        return att
+
+    # ---- ragged batches -> one masked attention -------------------------------------------
+    def var_len(self, call: relax.Call) -> Any:
+        """``attention_var_len(q, k, v, seqstart, max_seqlen)`` on packed tokens ``[1, T, N,
+        H]`` -> ``attention_bias`` over all T tokens with a block-diagonal mask computed in the
+        graph (token t is in sequence ``#{b : seqstart[b] <= t}``), the causal mask and the
+        window kept inside each block. TVM cannot legalize ``attention_var_len``; this form
+        builds everywhere and is exact, at T x T work and a T x T mask in memory (a kernel of
+        ours for ragged batches would take the packed form itself). Only where q and k share
+        one ``seqstart`` (each sequence its own keys)."""
+        q, k, v, start_q, start_k = call.args[:5]
+        attrs = call.attrs
+        if not start_q.same_as(start_k):
+            return call
+        qs = q.ty.shape
+        if not isinstance(qs, relax.ShapeExpr) or len(qs.values) != 4 or _ndim(start_q) != 1:
+            return call
+        if _ints(qs.values[:1]) != [1]:
+            return call  # packed tokens are one batch entry
+        causal = str(attrs.causal_mask) if attrs.causal_mask is not None else "none"
+        if causal not in ("none", "TopLeft", "BottomRight"):
+            return call
+        window = attrs.window_size
+        w = int(window.value) if window is not None else None
+        if w is not None and (causal == "none" or w < 1):
+            return call
+        dtype = _dtype(call)
+        tok = self.emit(relax.op.arange(0, qs.values[1], 1, "int32"), "tokens")
+        starts = start_q if _dtype(start_q) == "int32" else relax.op.astype(start_q, "int32")
+        started = self.emit(
+            relax.op.greater_equal(
+                relax.op.expand_dims(tok, [1]), relax.op.expand_dims(starts, [0])
+            ),
+            "started",
+        )
+        seq = self.emit(relax.op.sum(relax.op.astype(started, "int32"), axis=[1]), "seq_id")
+        keep = self.emit(
+            relax.op.equal(relax.op.expand_dims(seq, [1]), relax.op.expand_dims(seq, [0])),
+            "same_seq",
+        )
+        if w is not None:
+            dist = relax.op.subtract(relax.op.expand_dims(tok, [0]), relax.op.expand_dims(tok, [1]))
+            inside = relax.op.greater(dist, relax.const(-w, "int32"))
+            keep = self.emit(relax.op.logical_and(keep, inside), "same_seq")
+        mask = self.emit(
+            relax.op.where(keep, relax.const(0.0, dtype), relax.const(WINDOW_MASKED, dtype)),
+            "ragged_mask",
+        )
+        mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "ragged_mask")
+        # within a block queries and keys are one sequence: TopLeft is BottomRight there
+        att, tag = self.log.tagged(
+            relax.op.nn.attention(
+                q, k, v, mask, attrs.scale, causal_mask=None if causal == "none" else "TopLeft"
+            )
+        )
+        extra = f", window_size={w}" if w is not None else ""
+        self.log.sites.append(
+            (
+                "var_len",
+                tag,
+                f"attention_var_len ({causal}{extra}) written as one attention over the packed "
+                "tokens with a block-diagonal mask computed from seqstart: TVM cannot legalize "
+                "attention_var_len; the mask is tokens x tokens",
+            )
+        )
+        self.log.counts["var_len"] += 1
         return att
 
     # ---- constant masks ------------------------------------------------------------------
