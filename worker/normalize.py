@@ -456,6 +456,12 @@ class _Local(relax.PyExprMutator):
         if _op(val) != "relax.reshape":
             return None
         src, s_src = self.strip_scale(val.args[0])
+        sv = self.value(src)
+        if _op(sv) == "relax.permute_dims":  # a scale folded into q or k before the transpose
+            inner, s_in = self.strip_scale(sv.args[0])
+            if s_in != 1.0:
+                src = self.emit(relax.op.permute_dims(inner, _axes(sv)), "bnsh")
+                s_src *= s_in
         ss = _shape(src)
         if ss is None or len(ss) != 4 or ss[0] * ss[1] != xs[0] or ss[2:] != xs[1:]:
             return None
@@ -694,9 +700,11 @@ class _Local(relax.PyExprMutator):
         elif _op(x) == "relax.reshape":
             b = self.value(x.args[0])
             e = self.value(b.args[0]) if _op(b) == "relax.broadcast_to" else None
-            if e is not None and _op(e) == "relax.expand_dims" and _ints(e.attrs.axis) in (
-                [heads_axis + 1],
-                [heads_axis + 1 - 5],
+            merged_axes = ([heads_axis + 1], [heads_axis + 1 - 5])
+            if (
+                e is not None
+                and _op(e) == "relax.expand_dims"
+                and _ints(e.attrs.axis) in merged_axes
             ):
                 src, bs = _shape(e.args[0]), _shape(b)
                 # [.., Nkv, 1, ..] broadcast to [.., Nkv, r, ..] and merged back to N heads
