@@ -561,12 +561,18 @@ class _Local(relax.PyExprMutator):
             qs, kts, vs = _shape(q), _shape(kt), _shape(v)
             if qs is None or kts is None or vs is None:
                 return call
-            if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[:2] == vs[:2] == kts[:2]):
+            if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[0] == vs[0] == kts[0]):
+                return call
+            # one K/V head broadcast by the matmuls themselves is multi-query attention
+            if not (kts[1] == vs[1] and kts[1] in (qs[1], 1)):
                 return call
             to_bsnh = [0, 2, 1, 3]
             qb = self.emit(relax.op.permute_dims(q, to_bsnh))
             kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
             vb = self.emit(relax.op.permute_dims(v, to_bsnh))
+            if kts[1] != qs[1]:  # repeated explicitly: grouped_kv reads it back where it pays
+                kb = self.emit(relax.op.repeat(kb, qs[1], axis=2), "k")
+                vb = self.emit(relax.op.repeat(vb, qs[1], axis=2), "v")
             s_in = s_q * s_k
         else:
             merged = self.merged_operands(mm.args[0], mm.args[1], v)

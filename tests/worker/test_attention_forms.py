@@ -257,6 +257,30 @@ def test_attention_rewrite_multi_query(form: str, arch: str) -> None:
     np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-2, atol=1e-2)
 
 
+def test_one_kv_head_broadcast_by_the_matmuls_is_multi_query() -> None:
+    """4-D decomposed attention whose K/V have one head, broadcast by the matmuls."""
+    b, s, n, h = 2, 16, 4, 16
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((b, n, s, h), "float16"))
+        k = R.arg("k", R.Tensor((b, 1, s, h), "float16"))
+        v = R.arg("v", R.Tensor((b, 1, s, h), "float16"))
+        with R.dataflow() as frame:
+            scores = R.emit(R.matmul(q, R.emit(R.permute_dims(k, [0, 1, 3, 2]))))
+            scores = R.emit(R.divide(scores, R.const(np.float16(4.0))))
+            o = R.emit(R.matmul(R.emit(R.nn.softmax(scores, axis=-1)), v))
+            R.output(o)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    for arch, heads in (("sm_80", n), ("sm_90", 1)):
+        out, rewrites = normalize(mod, OPTS, arch)
+        assert "scale 0.25" in _rewrite(rewrites, "decomposed_attention").message
+        m = _fused(partition(out, OPTS, arch), "plain", False)
+        assert m.shapes["k"] == [b, s, heads, h]
+    args = [_rnd(x, "float16", seed=i) for i, x in enumerate([(b, n, s, h), *[(b, 1, s, h)] * 2])]
+    np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-2, atol=1e-2)
+
+
 # --- merged form from a stacked qkv, the scale folded before the merge -----------------------
 def test_merged_form_from_stacked_qkv_fuses_stacked() -> None:
     b, s, n, h = 2, 16, 4, 16
