@@ -536,7 +536,9 @@ class _Local(relax.PyExprMutator):
             return call
         if int(probs.attrs.axis) % rank != rank - 1:
             return call
-        scores = self._uncast(probs.args[0])
+        # softmax(c * (q k^T + mask)) is softmax(c q k^T + c mask): a scale outside the mask
+        scores, s_mask = self.strip_scale(self._uncast(probs.args[0]))
+        scores = self._uncast(scores)
         scores_v = self.value(scores)
         mask = None
         if _op(scores_v) == "relax.add":
@@ -548,6 +550,7 @@ class _Local(relax.PyExprMutator):
             else:
                 return call
         scores, s_out = self.strip_scale(scores)
+        s_out *= s_mask
         mm = self.value(scores)
         if _op(mm) != "relax.matmul":
             return call
@@ -591,6 +594,8 @@ class _Local(relax.PyExprMutator):
                 mask = self.emit(relax.op.expand_dims(mask, 0))
             if _dtype(mask) != dtype:
                 mask = self.emit(relax.op.astype(mask, dtype))
+            if s_mask != 1.0:
+                mask = self.emit(relax.op.multiply(mask, relax.const(s_mask, dtype)), "bias")
         scale = s_out * s_in
         call_att, tag = self.log.tagged(
             relax.op.nn.attention(qb, kb, vb, mask, tirx.FloatImm("float32", scale))

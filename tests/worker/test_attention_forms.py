@@ -94,11 +94,19 @@ def _reference(
 
 # --- test_attention_rewrite_offload: batch-merged 3-D matmuls ----------------------------------
 def merged_module(
-    b: int, s: int, skv: int, n: int | None, h: int, hv: int, bias: bool, scale: float
+    b: int,
+    s: int,
+    skv: int,
+    n: int | None,
+    h: int,
+    hv: int,
+    bias: bool,
+    scale: float,
+    scale_last: bool = False,
 ) -> Any:
     """Upstream's rewrite form: q, k, v ``[B, S, N, H]`` (or ``[B, S, H]`` when ``n`` is None)
     merged to ``[B*N, S, H]`` by permute + reshape, ``q @ k^T * scale [+ bias]``, softmax,
-    ``@ v``, split back to ``[B, S, N, Hv]``."""
+    ``@ v``, split back to ``[B, S, N, Hv]``. ``scale_last``: ``(q @ k^T + bias) * scale``."""
 
     def shape(seq: int, d: int) -> list[int]:
         return [b, seq, n, d] if n else [b, seq, d]
@@ -120,11 +128,15 @@ def merged_module(
 
             q3, k3, v3 = merge(q, s, h), merge(k, skv, h), merge(v, skv, hv)
             kt = R.emit(R.permute_dims(k3, [0, 2, 1]))
-            scores = R.emit(R.multiply(R.emit(R.matmul(q3, kt)), R.const(scale, "float32")))
+            scores = R.emit(R.matmul(q3, kt))
+            if not scale_last:
+                scores = R.emit(R.multiply(scores, R.const(scale, "float32")))
             if bias_v is not None:
                 if n:
                     bias_v = R.emit(R.reshape(bias_v, [b * n, s, skv]))
                 scores = R.emit(R.add(scores, bias_v))
+            if scale_last:
+                scores = R.emit(R.multiply(scores, R.const(scale, "float32")))
             out = R.emit(R.matmul(R.emit(R.nn.softmax(scores, axis=-1)), v3))
             if n:
                 out = R.emit(R.reshape(out, [b, n, s, hv]))
@@ -156,6 +168,17 @@ def test_attention_rewrite_offload(n: int | None, bias: bool) -> None:
     args += [_rnd([b, skv, n, d] if n else [b, skv, d], seed=i + 2) for i, d in enumerate((h, hv))]
     if bias:
         args.append(_rnd([b, n, s, skv] if n else [b, s, skv], seed=5))
+    np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-4, atol=1e-5)
+
+
+def test_a_scale_outside_the_bias_scales_the_bias() -> None:
+    b, s, skv, n, h = 2, 16, 8, 4, 8
+    mod = merged_module(b, s, skv, n, h, h, True, 0.5, scale_last=True)
+    out, rewrites = normalize(mod, OPTS)
+    assert "scale 0.5 -> mask" in _rewrite(rewrites, "decomposed_attention").message
+    assert _fused(partition(out, OPTS), "plain", True).scale == 0.5
+    args = [_rnd(x, seed=i) for i, x in enumerate([(b, s, n, h), *[(b, skv, n, h)] * 2])]
+    args.append(_rnd((b, n, s, skv), seed=5))
     np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-4, atol=1e-5)
 
 
