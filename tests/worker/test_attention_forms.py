@@ -481,12 +481,18 @@ def test_unbuildable_attention_fails_the_job_before_codegen(what: str, tmp_path:
     assert f["check"] == what
 
 
-def test_a_window_is_rewritten_and_fused_by_the_pipeline(tmp_path: Path) -> None:
+@pytest.mark.parametrize("what", ["sliding_window", "var_len"])
+def test_the_rewritten_site_is_fused_by_the_pipeline(what: str, tmp_path: Path) -> None:
+    if what == "sliding_window":
+        mod, causal = window_module(64, 64, "BottomRight", 8), "BottomRight"
+    else:
+        mod, causal = var_len_module(8, 8, 16, None), "TopLeft"
     with pytest.raises(TimeLimitExceeded):  # nvcc had no time: the job got to codegen
-        _compile(window_module(64, 64, "BottomRight", 8), tmp_path)
+        _compile(mod, tmp_path)
     doc = _report(tmp_path)
-    assert "sliding_window" in [r["rewrite"] for r in doc["normalizations"]]
+    assert "codegen" in doc["timings"] and "build" not in doc["timings"]
+    assert what in [r["rewrite"] for r in doc["normalizations"]]
     assert doc["summary"]["fused_plain"] == 1 and doc["summary"]["not_offloaded"] == 0
     assert not [f for f in doc["check_failures"] if f["pattern"] == "tvm.legalize"]
     (m,) = doc["matches"]
-    assert (m["bias"], m["causal"]) == (True, "BottomRight")
+    assert (m["bias"], m["causal"]) == (True, causal)
