@@ -1120,12 +1120,15 @@ def _unbuildable(
                     continue
                 if call.op.name in ATTENTION_OPS and call.attrs.window_size is not None:
                     _, causal, window = attention_attrs(call)
-                    why = (
-                        "options.normalize is off, which would write it as a masked attention"
-                        if not options.normalize
-                        else "a window needs a causal mask (TopLeft or BottomRight), "
-                        f"not {causal!r}"
-                    )
+                    if not options.normalize:
+                        why = "options.normalize is off, which would write it as a masked attention"
+                    elif causal not in ("TopLeft", "BottomRight"):
+                        why = (
+                            f"a window needs a causal mask (TopLeft or BottomRight), not {causal!r}"
+                        )
+                    else:
+                        why = "normalize writes a window as a mask only for window_size >= 1 and "
+                        why += "q and k of known rank-4 shapes"
                     sid = site_of(call)
                     out.append(
                         (
