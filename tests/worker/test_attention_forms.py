@@ -280,6 +280,41 @@ def test_attention_rewrite_multi_query(form: str, arch: str) -> None:
     np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-2, atol=1e-2)
 
 
+def test_repeat_kv_in_the_merged_form_is_grouped_query() -> None:
+    """transformers' ``repeat_kv`` (``[B, Nkv, S, H]`` -> expand_dims -> broadcast_to ->
+    reshape) ahead of batch-merged matmuls: GQA 8/2 on sm_90."""
+    b, s, n, nkv, h = 2, 16, 8, 2, 16
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((b, n, s, h), "float16"))
+        k = R.arg("k", R.Tensor((b, nkv, s, h), "float16"))
+        v = R.arg("v", R.Tensor((b, nkv, s, h), "float16"))
+        with R.dataflow() as frame:
+
+            def repeat_kv(x: Any) -> Any:
+                e = R.emit(R.expand_dims(x, [2]))
+                r = R.emit(R.broadcast_to(e, R.shape([b, nkv, n // nkv, s, h])))
+                return R.emit(R.reshape(r, [b, n, s, h]))
+
+            q3, k3, v3 = (
+                R.emit(R.reshape(x, [b * n, s, h])) for x in (q, repeat_kv(k), repeat_kv(v))
+            )
+            scores = R.emit(R.matmul(q3, R.emit(R.permute_dims(k3, [0, 2, 1]))))
+            scores = R.emit(R.multiply(scores, R.const(np.float16(0.25))))
+            o = R.emit(R.matmul(R.emit(R.nn.softmax(scores, axis=-1)), v3))
+            o = R.emit(R.reshape(o, [b, n, s, h]))
+            R.output(o)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    out, rewrites = normalize(mod, OPTS, "sm_90")
+    assert f"{b} x {n} heads" in _rewrite(rewrites, "decomposed_attention").message
+    assert f"from {nkv} to {n} heads" in _rewrite(rewrites, "grouped_kv").message
+    m = _fused(partition(out, OPTS, "sm_90"), "plain", False)
+    assert m.shapes["k"] == [b, s, nkv, h]
+    args = [_rnd(x, "float16", seed=i) for i, x in enumerate([(b, n, s, h), *[(b, nkv, s, h)] * 2])]
+    np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-2, atol=1e-2)
+
+
 def test_one_kv_head_broadcast_by_the_matmuls_is_multi_query() -> None:
     """4-D decomposed attention whose K/V have one head, broadcast by the matmuls."""
     b, s, n, h = 2, 16, 4, 16
