@@ -603,7 +603,7 @@ class _Local(relax.PyExprMutator):
         att = self.emit(call_att, "attn")
         form = "4-D" if rank == 4 else "batch-merged 3-D"
         if rank == 3:
-            form += f" ({heads[0]} x {heads[1]} heads)" if heads else " (one head per batch entry)"
+            form += f" (batch {heads[0]}, {heads[1]} heads)" if heads else " (one head per entry)"
         self.log.sites.append(
             (
                 "decomposed_attention",

@@ -155,7 +155,7 @@ def test_attention_rewrite_offload(n: int | None, bias: bool) -> None:
     out, rewrites = normalize(merged_module(b, s, skv, n, h, hv, bias, 0.5), OPTS)
     rw = _rewrite(rewrites, "decomposed_attention")
     assert rw.where is not None and rw.where.site == "main/attention#0"
-    assert ("4 x 32 heads" if n else "one head per batch entry") in rw.message
+    assert ("batch 4, 32 heads" if n else "one head per entry") in rw.message
     assert "relax.softmax" not in _ops(out) and "relax.matmul" not in _ops(out)
     m = _fused(partition(out, OPTS), "plain", bias)
     assert m.scale == 0.5
@@ -307,7 +307,7 @@ def test_repeat_kv_in_the_merged_form_is_grouped_query() -> None:
         R.func_ret_value(frame.output_vars[0])
     mod = tvm.IRModule({"main": builder.get()})
     out, rewrites = normalize(mod, OPTS, "sm_90")
-    assert f"{b} x {n} heads" in _rewrite(rewrites, "decomposed_attention").message
+    assert f"batch {b}, {n} heads" in _rewrite(rewrites, "decomposed_attention").message
     assert f"from {nkv} to {n} heads" in _rewrite(rewrites, "grouped_kv").message
     m = _fused(partition(out, OPTS, "sm_90"), "plain", False)
     assert m.shapes["k"] == [b, s, nkv, h]
@@ -362,7 +362,7 @@ def test_merged_form_from_stacked_qkv_fuses_stacked() -> None:
         R.func_ret_value(frame.output_vars[0])
     mod = tvm.IRModule({"main": builder.get()})
     out, rewrites = normalize(mod, OPTS)
-    assert "2 x 4 heads" in _rewrite(rewrites, "decomposed_attention").message
+    assert "batch 2, 4 heads" in _rewrite(rewrites, "decomposed_attention").message
     m = _fused(partition(out, OPTS), "stacked", False)
     assert m.scale == pytest.approx(h**-0.5)
     args = [_rnd((b, s, 3 * n * h))]
