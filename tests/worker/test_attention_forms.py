@@ -400,7 +400,9 @@ def test_sliding_window_becomes_a_mask_tvm_builds(
     TopLeft with a symbolic length, and fewer queries than keys."""
     lengths = (None, None) if symbolic else (s, skv)
     out, rewrites = normalize(window_module(*lengths, causal, 8), OPTS, "sm_90")
-    assert f"window_size=8 ({causal})" in _rewrite(rewrites, "sliding_window").message
+    rw = _rewrite(rewrites, "sliding_window")
+    assert f"window_size=8 ({causal})" in rw.message
+    assert rw.where is not None and rw.where.site == "main/attention#0"
     result = partition(out, OPTS, "sm_90")
     m = _fused(result, "plain", True)
     assert m.causal == causal
@@ -462,7 +464,9 @@ def test_var_len_becomes_one_masked_attention(
     h = 32
     mod = var_len_module(nq, nkv, h, window)
     out, rewrites = normalize(mod, OPTS, "sm_90")
-    assert "block-diagonal mask" in _rewrite(rewrites, "var_len").message
+    rw = _rewrite(rewrites, "var_len")
+    assert "block-diagonal mask" in rw.message
+    assert rw.where is not None and rw.where.site == "main/attention#0"
     assert "relax.nn.attention_var_len" not in _ops(out)
     result = partition(out, OPTS, "sm_90")
     assert len(result.sites) == 1 and not result.unbuildable
