@@ -743,6 +743,8 @@ class _Local(relax.PyExprMutator):
     def grouped_kv(self, call: relax.Call) -> Any:
         if _dtype(call.args[0]) not in ("float16", "bfloat16"):
             return call
+        if _op(call) == "relax.nn.attention_bias":
+            return call  # the Hopper kernel takes no bias: repeated heads keep the SM80 kernel
         k, v = self.unrepeat(call.args[1]), self.unrepeat(call.args[2])
         if k is None or v is None or k[1] != v[1]:
             return call
@@ -844,6 +846,19 @@ class _Local(relax.PyExprMutator):
         self.log.counts["combine_qkv"] += 1
         return att
 
+    def all_heads(self, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        """k and v repeated up to q's heads when they have fewer (GQA/MQA): a masked attention
+        runs on the SM80-class kernel, which reads equal head counts only (the Hopper kernel,
+        which reads grouped heads, takes no bias)."""
+        nq, nkv = (_ints(x.ty.shape.values[2:3]) for x in (q, k))
+        if nq is None or nkv is None or nq == nkv or nkv[0] == 0 or nq[0] % nkv[0]:
+            return k, v
+        r = nq[0] // nkv[0]
+        return (
+            self.emit(relax.op.repeat(k, r, axis=2), "k"),
+            self.emit(relax.op.repeat(v, r, axis=2), "v"),
+        )
+
     # ---- sliding windows -> an explicit mask ---------------------------------------------
     def sliding_window(self, call: relax.Call) -> Any:
         """``attention(..., causal_mask=C, window_size=W)`` -> ``attention_bias`` with the window
@@ -882,9 +897,9 @@ class _Local(relax.PyExprMutator):
         bias = call.args[3] if len(call.args) > 3 else None
         if bias is not None:
             mask = self.emit(relax.op.add(bias, mask), "window_bias")
-        q_, k_, v_ = call.args[:3]
+        k_, v_ = self.all_heads(q, k, call.args[2])
         att, tag = self.log.tagged(
-            relax.op.nn.attention(q_, k_, v_, mask, attrs.scale, causal_mask=causal), call
+            relax.op.nn.attention(q, k_, v_, mask, attrs.scale, causal_mask=causal), call
         )
         self.log.sites.append(
             (
@@ -945,6 +960,7 @@ class _Local(relax.PyExprMutator):
             "ragged_mask",
         )
         mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "ragged_mask")
+        k, v = self.all_heads(q, k, v)
         # within a block queries and keys are one sequence: TopLeft is BottomRight there
         att, tag = self.log.tagged(
             relax.op.nn.attention(

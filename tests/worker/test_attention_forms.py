@@ -371,17 +371,24 @@ def test_merged_form_from_stacked_qkv_fuses_stacked() -> None:
 
 # --- test_sliding_window: window_size -> an explicit mask --------------------------------------
 def window_module(
-    s: int | None, skv: int | None, causal: str | None, window: int, n: int = 16, h: int = 8
+    s: int | None,
+    skv: int | None,
+    causal: str | None,
+    window: int,
+    n: int = 16,
+    h: int = 8,
+    nkv: int | None = None,
 ) -> Any:
     """``R.nn.attention(q, k, v, causal_mask=causal, window_size=window)``; a length of None is
-    symbolic (one name for queries and keys)."""
+    symbolic (one name for queries and keys); ``nkv`` K/V heads (GQA) when given."""
+    nkv = nkv or n
     with IRBuilder() as builder, rb.function():
         R.func_name("main")
         sym = T.int64()
         sq, sk = s if s is not None else sym, skv if skv is not None else sym
         q = R.arg("q", R.Tensor((1, sq, n, h), "float16"))
-        k = R.arg("k", R.Tensor((1, sk, n, h), "float16"))
-        v = R.arg("v", R.Tensor((1, sk, n, h), "float16"))
+        k = R.arg("k", R.Tensor((1, sk, nkv, h), "float16"))
+        v = R.arg("v", R.Tensor((1, sk, nkv, h), "float16"))
         with R.dataflow() as frame:
             o = R.emit(R.nn.attention(q, k, v, causal_mask=causal, window_size=window))
             R.output(o)
@@ -411,6 +418,19 @@ def test_sliding_window_becomes_a_mask_tvm_builds(
     q, k, v = (_rnd((1, n, 4, 8), "float16", seed=i) for i, n in enumerate((s, skv, skv)))
     np.testing.assert_allclose(
         _run(out, [q, k, v]), _reference(q, k, v, causal, 8), rtol=1e-2, atol=1e-2
+    )
+
+
+def test_a_grouped_query_window_runs_on_the_kernel_that_reads_masks() -> None:
+    """Mistral-style: 8 query heads on 2 K/V heads with a window. The Hopper kernel reads GQA
+    but no mask, the SM80-class kernel a mask but not GQA: K/V are repeated for the latter."""
+    out, rewrites = normalize(window_module(32, 32, "BottomRight", 8, n=8, nkv=2), OPTS, "sm_90")
+    assert "grouped_kv" not in [r.rewrite for r in rewrites]
+    m = _fused(partition(out, OPTS, "sm_90"), "plain", True)
+    assert m.shapes["k"][2] == 8
+    q, k, v = (_rnd((1, 32, n, 8), "float16", seed=i) for i, n in enumerate((8, 2, 2)))
+    np.testing.assert_allclose(
+        _run(out, [q, k, v]), _reference(q, k, v, "BottomRight", 8), rtol=1e-2, atol=1e-2
     )
 
 
@@ -468,10 +488,9 @@ def test_var_len_becomes_one_masked_attention(
     assert "block-diagonal mask" in rw.message
     assert rw.where is not None and rw.where.site == "main/attention#0"
     assert "relax.nn.attention_var_len" not in _ops(out)
-    result = partition(out, OPTS, "sm_90")
-    assert len(result.sites) == 1 and not result.unbuildable
-    if nq == nkv:  # GQA with a bias has no kernel: TVM computes it (build repeats K/V)
-        _fused(result, "plain", True)
+    # GQA's K/V heads repeated: the Hopper kernel takes no mask, the SM80-class one no GQA
+    m = _fused(partition(out, OPTS, "sm_90"), "plain", True)
+    assert m.shapes["k"][2] == nq
     seqs = [
         [_rnd((1, s, n, h), "float16", seed=10 * i + j) for j, n in enumerate((nq, nkv, nkv))]
         for i, s in enumerate(lens)
