@@ -7,7 +7,14 @@ Each rewrite here undoes one such habit, is local, keeps the function's meaning,
 as a :class:`~worker.report.Rewrite`:
 
 - ``decomposed_attention``: ``softmax(scale * q @ kT + mask) @ v`` -> ``R.nn.attention`` (scale
-  constants found on the scores, on q or on k; an additive mask becomes the bias);
+  constants found on the scores, on q or on k, cast or not; an additive mask becomes the bias),
+  on 4-D ``[B, N, S, H]`` matmuls or on batch-merged 3-D ones (``[B*N, S, H]``, upstream TVM's
+  rewrite form: the heads are recovered from the reshapes that merged them, else each batch
+  entry is one head);
+- ``sliding_window``: ``window_size`` (with a causal mask) becomes an additive mask computed in
+  the graph: TVM cannot legalize a window, and no kernel of ours reads one;
+- ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` becomes one attention
+  with a block-diagonal mask computed from ``seqstart``: TVM cannot legalize it;
 - ``constant_mask``: a constant additive bias that is causal (or attends everywhere) becomes
   ``causal_mask`` (or no bias): the kernel masks without reading a tensor;
 - ``transpose_pairs``: ``permute_dims`` chains compose; identities vanish; a transpose is moved
@@ -20,7 +27,8 @@ as a :class:`~worker.report.Rewrite`:
 - ``integer_power``: ``x ** 3`` (GPT-2's GELU) becomes multiplies: fast-math CUDA ``powf`` is
   NaN for negative x, which made whole GPT-2 libraries return NaN;
 - ``grouped_kv``: K and V repeated up to the query heads (transformers' ``repeat_kv``:
-  ``expand_dims -> broadcast_to -> reshape``, or ``R.repeat``) are read with their own head
+  ``expand_dims -> broadcast_to -> reshape``, ``R.repeat``, or one head ``broadcast_to`` all
+  of them) are read with their own head
   count: grouped-query attention, query head i on key/value head i // (Nq / Nkv), with no
   repeated copy. Only for sm_90 in float16/bfloat16, where the Hopper kernel reads GQA
   (elsewhere the repeated heads keep the site on the other kernels; TVM's fallback repeats them
@@ -56,6 +64,9 @@ from tvm import ir, relax, tirx  # noqa: E402
 
 #: an additive bias at or below this is "masked out": exp(-1e4) underflows to 0 in fp32
 MASKED = -1.0e4
+#: the additive bias of a key outside a sliding window: finite in float16 (an all-masked row
+#: stays a number) and far below any score, so exp() of it is 0 in float32
+WINDOW_MASKED = -3.0e4
 #: at most this many fixpoint rounds of the local rewrites
 MAX_ROUNDS = 6
 ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
@@ -187,7 +198,11 @@ class _Local(relax.PyExprMutator):
             if out is call:
                 out = self.tanh_gelu(call)
             return self.silu(call) if out is call else out
-        if op == "relax.nn.attention_bias":
+        if op == "relax.nn.attention_var_len":
+            return self.var_len(call)
+        if _op(call) in ATTENTION_OPS and call.attrs.window_size is not None:
+            call = self.sliding_window(call)
+        if _op(call) == "relax.nn.attention_bias":
             call = self.constant_mask(call)
         if _op(call) in ATTENTION_OPS and self.gqa:
             call = self.grouped_kv(call)
@@ -390,6 +405,17 @@ class _Local(relax.PyExprMutator):
         return call
 
     # ---- decomposed attention ------------------------------------------------------------
+    def const_scalar(self, expr: Any) -> float | None:
+        """A one-element constant, also through ``astype`` (the float16 export casts a float32
+        scale): the value as the cast leaves it."""
+        val = self.value(expr)
+        if _op(val) == "relax.astype":
+            c = _scalar(self.value(val.args[0]))
+            if c is None:
+                return None
+            return float(np.asarray(c, dtype="float32").astype(_dtype(val)))
+        return _scalar(val)
+
     def strip_scale(self, expr: Any) -> tuple[Any, float]:
         """Peel ``x * c`` / ``x / c`` (c a scalar constant) off ``expr``: (x, product of c)."""
         scale = 1.0
@@ -398,9 +424,9 @@ class _Local(relax.PyExprMutator):
             op = _op(val)
             if op in ("relax.multiply", "relax.divide"):
                 a, b = val.args
-                c = _scalar(self.value(b))
+                c = self.const_scalar(b)
                 if c is None and op == "relax.multiply":
-                    c = _scalar(self.value(a))
+                    c = self.const_scalar(a)
                     a = b
                 if c is None or c == 0.0:
                     return expr, scale
@@ -409,8 +435,90 @@ class _Local(relax.PyExprMutator):
                 continue
             return expr, scale
 
+    def _uncast(self, expr: Any) -> Any:
+        """``x`` for ``astype(x)``: the float16 exports run the softmax in float32 between
+        casts, which is how the kernels compute it too."""
+        val = self.value(expr)
+        return val.args[0] if _op(val) == "relax.astype" else expr
+
+    def unmerge(self, x3: Any, transposed: bool) -> tuple[Any, tuple[int, int], float] | None:
+        """``x3`` ``[B*N, S, H]`` (``[B*N, H, S]`` when ``transposed``: k after its 3-D
+        transpose) made by merging the heads of a 4-D tensor: (that tensor as ``[B, S, N, H]``,
+        (B, N), the scale peeled on the way). None for any other form."""
+        x, scale = self.strip_scale(x3)
+        val = self.value(x)
+        xs = _shape(x)
+        if xs is None or len(xs) != 3:
+            return None
+        if transposed and _op(val) == "relax.permute_dims" and _axes(val) == [0, 2, 1]:
+            got = self.unmerge(val.args[0], False)
+            return None if got is None else (got[0], got[1], got[2] * scale)
+        if _op(val) != "relax.reshape":
+            return None
+        src, s_src = self.strip_scale(val.args[0])
+        sv = self.value(src)
+        if _op(sv) == "relax.permute_dims":  # a scale folded into q or k before the transpose
+            inner, s_in = self.strip_scale(sv.args[0])
+            if s_in != 1.0:
+                src = self.emit(relax.op.permute_dims(inner, _axes(sv)), "bnsh")
+                s_src *= s_in
+        ss = _shape(src)
+        if ss is None or len(ss) != 4 or ss[0] * ss[1] != xs[0] or ss[2:] != xs[1:]:
+            return None
+        # src is [B, N, S, H] (or [B, N, H, S] for transposed k)
+        perm = [0, 3, 1, 2] if transposed else [0, 2, 1, 3]
+        bsnh = self.emit(relax.op.permute_dims(src, perm), "bsnh")
+        return bsnh, (ss[0], ss[1]), scale * s_src
+
+    def merged_operands(
+        self, q3: Any, kt3: Any, v3: Any
+    ) -> tuple[list[Any], tuple[int, int] | None, float] | None:
+        """q, k, v as ``[B, S, N, H]`` for a batch-merged 3-D decomposition (upstream's rewrite
+        form): with the heads recovered when all three merged the same (B, N), else each batch
+        entry as one head (``[B*N, S, 1, H]``, which means the same). Returns (q, k, v), the
+        (B, N) recovered (None: one head each) and the scale peeled."""
+        qs, ks, vs = _shape(q3), _shape(kt3), _shape(v3)
+        if qs is None or ks is None or vs is None:
+            return None
+        if not (qs[0] == ks[0] == vs[0] and qs[2] == ks[1] and ks[2] == vs[1]):
+            return None
+        got = [self.unmerge(q3, False), self.unmerge(kt3, True), self.unmerge(v3, False)]
+        parts = [p for p in got if p is not None]
+        if len(parts) == 3 and len({p[1] for p in parts}) == 1:
+            scale = parts[0][2] * parts[1][2] * parts[2][2]
+            return [p[0] for p in parts], parts[0][1], scale
+        q, s_q = self.strip_scale(q3)
+        kt, s_k = self.strip_scale(kt3)
+        k = self.emit(relax.op.permute_dims(kt, [0, 2, 1]), "k")
+        out = [
+            self.emit(relax.op.reshape(x, [s[0], s[1], 1, s[2]]), "bsnh")
+            for x, s in ((q, qs), (k, [ks[0], ks[2], ks[1]]), (v3, vs))
+        ]
+        return out, None, s_q * s_k
+
+    def merged_mask(self, mask: Any, bn: int, heads: tuple[int, int] | None) -> Any:
+        """A 3-D (or lower) mask on the merged scores as the 4-D bias of the attention, or
+        None when its batch dim is neither 1 nor B*N."""
+        ms = _shape(mask)
+        if ms is None or len(ms) > 3:
+            return None
+        ms = [1] * (3 - len(ms)) + ms
+        src = self.value(mask)
+        if heads is not None and _op(src) == "relax.reshape":
+            ss = _shape(src.args[0])
+            if ss is not None and len(ss) == 4 and ss[:2] == list(heads) and ss[2:] == ms[1:]:
+                return src.args[0]  # upstream reshapes a [B, N, S, S_kv] bias to [B*N, ...]
+        if ms[0] == 1:
+            return self.emit(relax.op.reshape(mask, [1, 1, ms[1], ms[2]]), "bias")
+        if ms[0] != bn:
+            return None
+        lead = list(heads) if heads is not None else [bn, 1]
+        return self.emit(relax.op.reshape(mask, [*lead, ms[1], ms[2]]), "bias")
+
     def decomposed(self, call: relax.Call) -> Any:
-        """``matmul(softmax(scale * q @ kT [+ mask], -1), v)`` (4-D, [B, N, S, H]) -> attention."""
+        """``matmul(softmax(scale * q @ kT [+ mask], -1), v)`` -> attention: 4-D ``[B, N, S,
+        H]``, or 3-D with batch and heads merged (``[B*N, S, H]``, upstream TVM's rewrite form,
+        heads recovered from the reshapes that merged them)."""
         probs = self.value(call.args[0])
         v = call.args[1]
         safe = False
@@ -421,11 +529,16 @@ class _Local(relax.PyExprMutator):
                 if _op(inner) == "relax.nn.softmax" and self.value(probs.args[2]).same_as(inner):
                     probs, safe = inner, True
             _ = p
-        if _op(probs) != "relax.nn.softmax" or _ndim(call) != 4:
+        if _op(probs) == "relax.astype":
+            probs = self.value(probs.args[0])
+        rank = _ndim(call)
+        if _op(probs) != "relax.nn.softmax" or rank not in (3, 4):
             return call
-        if int(probs.attrs.axis) not in (-1, 3):
+        if int(probs.attrs.axis) % rank != rank - 1:
             return call
-        scores = probs.args[0]
+        # softmax(c * (q k^T + mask)) is softmax(c q k^T + c mask): a scale outside the mask
+        scores, s_mask = self.strip_scale(self._uncast(probs.args[0]))
+        scores = self._uncast(scores)
         scores_v = self.value(scores)
         mask = None
         if _op(scores_v) == "relax.add":
@@ -437,47 +550,78 @@ class _Local(relax.PyExprMutator):
             else:
                 return call
         scores, s_out = self.strip_scale(scores)
+        s_out *= s_mask
         mm = self.value(scores)
         if _op(mm) != "relax.matmul":
             return call
-        q, s_q = self.strip_scale(mm.args[0])
-        kt, s_k = self.strip_scale(mm.args[1])
-        if not (_ndim(q) == _ndim(kt) == _ndim(v) == 4):
-            return call
-        qs, kts, vs = _shape(q), _shape(kt), _shape(v)
-        if qs is None or kts is None or vs is None:
-            return call
-        if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[:2] == vs[:2] == kts[:2]):
+        if not (_ndim(mm.args[0]) == _ndim(mm.args[1]) == _ndim(v) == rank):
             return call
         dtype = _dtype(call)
+        heads: tuple[int, int] | None = None
+        if rank == 4:
+            q, s_q = self.strip_scale(mm.args[0])
+            kt, s_k = self.strip_scale(mm.args[1])
+            qs, kts, vs = _shape(q), _shape(kt), _shape(v)
+            if qs is None or kts is None or vs is None:
+                return call
+            if not (qs[3] == kts[2] and kts[3] == vs[2] and qs[0] == vs[0] == kts[0]):
+                return call
+            # one K/V head broadcast by the matmuls themselves is multi-query attention
+            if not (kts[1] == vs[1] and kts[1] in (qs[1], 1)):
+                return call
+            to_bsnh = [0, 2, 1, 3]
+            qb = self.emit(relax.op.permute_dims(q, to_bsnh))
+            kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
+            vb = self.emit(relax.op.permute_dims(v, to_bsnh))
+            if kts[1] != qs[1]:  # repeated explicitly: grouped_kv reads it back where it pays
+                kb = self.emit(relax.op.repeat(kb, qs[1], axis=2), "k")
+                vb = self.emit(relax.op.repeat(vb, qs[1], axis=2), "v")
+            s_in = s_q * s_k
+        else:
+            merged = self.merged_operands(mm.args[0], mm.args[1], v)
+            if merged is None:
+                return call
+            (qb, kb, vb), heads, s_in = merged
         if mask is not None:
+            if rank == 3:
+                bn = (_shape(mm.args[0]) or [0])[0]
+                mask = self.merged_mask(mask, bn, heads)
+                if mask is None:
+                    return call
             if _ndim(mask) > 4:
                 return call
             while _ndim(mask) < 4:
                 mask = self.emit(relax.op.expand_dims(mask, 0))
             if _dtype(mask) != dtype:
                 mask = self.emit(relax.op.astype(mask, dtype))
-        scale = s_out * s_q * s_k
-        to_bsnh = [0, 2, 1, 3]
-        qb = self.emit(relax.op.permute_dims(q, to_bsnh))
-        kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
-        vb = self.emit(relax.op.permute_dims(v, to_bsnh))
+            if s_mask != 1.0:
+                mask = self.emit(relax.op.multiply(mask, relax.const(s_mask, dtype)), "bias")
+        scale = s_out * s_in
         call_att, tag = self.log.tagged(
             relax.op.nn.attention(qb, kb, vb, mask, tirx.FloatImm("float32", scale))
         )
         att = self.emit(call_att, "attn")
+        form = "4-D" if rank == 4 else "batch-merged 3-D"
+        if rank == 3:
+            form += f" (batch {heads[0]}, {heads[1]} heads)" if heads else " (one head per entry)"
         self.log.sites.append(
             (
                 "decomposed_attention",
                 tag,
-                f"matmul -> scale {scale:.6g} -> "
+                f"{form} matmul -> scale {scale:.6g} -> "
                 + ("mask -> " if mask is not None else "")
                 + ("softmax (NaN-safe) -> " if safe else "softmax -> ")
                 + "matmul recovered as one attention",
             )
         )
         self.log.counts["decomposed_attention"] += 1
-        return relax.op.permute_dims(att, to_bsnh)
+        if rank == 4:
+            return relax.op.permute_dims(att, [0, 2, 1, 3])
+        out = _shape(call)
+        assert out is not None
+        if heads is not None:
+            att = self.emit(relax.op.permute_dims(att, [0, 2, 1, 3]), "bnsh")
+        return relax.op.reshape(att, out)
 
     # ---- RMSNorm ------------------------------------------------------------------------
     def _rms_parts(self, y: Any) -> tuple[Any, float] | None:
@@ -553,12 +697,25 @@ class _Local(relax.PyExprMutator):
             axis = int(x.attrs.axis) if x.attrs.axis is not None else None
             if axis is not None and axis % 4 == heads_axis:
                 base = x.args[0]
+        elif _op(x) == "relax.broadcast_to":  # one K/V head broadcast to all (MQA)
+            src, xs = _shape(x.args[0]), _shape(x)
+            if (
+                src is not None
+                and xs is not None
+                and len(src) == 4
+                and src[heads_axis] == 1
+                and [d for i, d in enumerate(src) if i != heads_axis]
+                == [d for i, d in enumerate(xs) if i != heads_axis]
+            ):
+                base = x.args[0]
         elif _op(x) == "relax.reshape":
             b = self.value(x.args[0])
             e = self.value(b.args[0]) if _op(b) == "relax.broadcast_to" else None
-            if _op(e) == "relax.expand_dims" and _ints(e.attrs.axis) in (
-                [heads_axis + 1],
-                [heads_axis + 1 - 5],
+            merged_axes = ([heads_axis + 1], [heads_axis + 1 - 5])
+            if (
+                e is not None
+                and _op(e) == "relax.expand_dims"
+                and _ints(e.attrs.axis) in merged_axes
             ):
                 src, bs = _shape(e.args[0]), _shape(b)
                 # [.., Nkv, 1, ..] broadcast to [.., Nkv, r, ..] and merged back to N heads
@@ -586,6 +743,8 @@ class _Local(relax.PyExprMutator):
     def grouped_kv(self, call: relax.Call) -> Any:
         if _dtype(call.args[0]) not in ("float16", "bfloat16"):
             return call
+        if _op(call) == "relax.nn.attention_bias":
+            return call  # the Hopper kernel takes no bias: repeated heads keep the SM80 kernel
         k, v = self.unrepeat(call.args[1]), self.unrepeat(call.args[2])
         if k is None or v is None or k[1] != v[1]:
             return call
@@ -685,6 +844,140 @@ class _Local(relax.PyExprMutator):
             )
         )
         self.log.counts["combine_qkv"] += 1
+        return att
+
+    def all_heads(self, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+        """k and v repeated up to q's heads when they have fewer (GQA/MQA): a masked attention
+        runs on the SM80-class kernel, which reads equal head counts only (the Hopper kernel,
+        which reads grouped heads, takes no bias)."""
+        nq, nkv = (_ints(x.ty.shape.values[2:3]) for x in (q, k))
+        if nq is None or nkv is None or nq == nkv or nkv[0] == 0 or nq[0] % nkv[0]:
+            return k, v
+        r = nq[0] // nkv[0]
+        return (
+            self.emit(relax.op.repeat(k, r, axis=2), "k"),
+            self.emit(relax.op.repeat(v, r, axis=2), "v"),
+        )
+
+    # ---- sliding windows -> an explicit mask ---------------------------------------------
+    def sliding_window(self, call: relax.Call) -> Any:
+        """``attention(..., causal_mask=C, window_size=W)`` -> ``attention_bias`` with the window
+        as an additive mask computed in the graph (``arange``, compare, ``where``: no constant,
+        symbolic lengths work) and the causal mask kept. TVM cannot legalize a window
+        ("Legalization for sliding-window attention is not supported yet"), and no kernel of
+        ours reads one; the masked form builds on every path and the SM80-class kernel takes it.
+        Key j is seen from query i when ``i + off - W < j <= i + off``, ``off`` 0 (TopLeft) or
+        ``S_kv - S`` (BottomRight): flash-attention's left window of ``W - 1`` keys, as upstream
+        TVM's CUTLASS offload passes it. No causal mode: left for partition to refuse."""
+        attrs = call.attrs
+        causal = str(attrs.causal_mask) if attrs.causal_mask is not None else "none"
+        w = int(attrs.window_size.value)
+        if causal not in ("TopLeft", "BottomRight") or w < 1:
+            return call
+        q, k = call.args[0], call.args[1]
+        qs, ks = q.ty.shape, k.ty.shape
+        if not isinstance(qs, relax.ShapeExpr) or not isinstance(ks, relax.ShapeExpr):
+            return call
+        s, skv = qs.values[1], ks.values[1]
+        dtype = _dtype(call)
+        rows = self.emit(relax.op.arange(0, s, 1, "int32"), "rows")
+        # j - off for j = 0 .. S_kv - 1
+        start, end = (s - skv, s) if causal == "BottomRight" else (0, skv)
+        cols = self.emit(relax.op.arange(start, end, 1, "int32"), "cols")
+        dist = self.emit(
+            relax.op.subtract(relax.op.expand_dims(cols, [0]), relax.op.expand_dims(rows, [1])),
+            "dist",
+        )
+        inside = self.emit(relax.op.greater(dist, relax.const(-w, "int32")), "in_window")
+        mask = self.emit(
+            relax.op.where(inside, relax.const(0.0, dtype), relax.const(WINDOW_MASKED, dtype)),
+            "window_mask",
+        )
+        mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "window_mask")
+        bias = call.args[3] if len(call.args) > 3 else None
+        if bias is not None:
+            mask = self.emit(relax.op.add(bias, mask), "window_bias")
+        k_, v_ = self.all_heads(q, k, call.args[2])
+        att, tag = self.log.tagged(
+            relax.op.nn.attention(q, k_, v_, mask, attrs.scale, causal_mask=causal), call
+        )
+        self.log.sites.append(
+            (
+                "sliding_window",
+                tag,
+                f"window_size={w} ({causal}) written as an additive mask computed in the graph, "
+                f"the causal mask kept: TVM cannot legalize a window",
+            )
+        )
+        self.log.counts["sliding_window"] += 1
+        return att
+
+    # ---- ragged batches -> one masked attention -------------------------------------------
+    def var_len(self, call: relax.Call) -> Any:
+        """``attention_var_len(q, k, v, seqstart, max_seqlen)`` on packed tokens ``[1, T, N,
+        H]`` -> ``attention_bias`` over all T tokens with a block-diagonal mask computed in the
+        graph (token t is in sequence ``#{b : seqstart[b] <= t}``), the causal mask and the
+        window kept inside each block. TVM cannot legalize ``attention_var_len``; this form
+        builds everywhere and is exact, at T x T work and a T x T mask in memory (a kernel of
+        ours for ragged batches would take the packed form itself). Only where q and k share
+        one ``seqstart`` (each sequence its own keys)."""
+        q, k, v, start_q, start_k = call.args[:5]
+        attrs = call.attrs
+        if not start_q.same_as(start_k):
+            return call
+        qs = q.ty.shape
+        if not isinstance(qs, relax.ShapeExpr) or len(qs.values) != 4 or _ndim(start_q) != 1:
+            return call
+        if _ints(qs.values[:1]) != [1]:
+            return call  # packed tokens are one batch entry
+        causal = str(attrs.causal_mask) if attrs.causal_mask is not None else "none"
+        if causal not in ("none", "TopLeft", "BottomRight"):
+            return call
+        window = attrs.window_size
+        w = int(window.value) if window is not None else None
+        if w is not None and (causal == "none" or w < 1):
+            return call
+        dtype = _dtype(call)
+        tok = self.emit(relax.op.arange(0, qs.values[1], 1, "int32"), "tokens")
+        starts = start_q if _dtype(start_q) == "int32" else relax.op.astype(start_q, "int32")
+        started = self.emit(
+            relax.op.greater_equal(
+                relax.op.expand_dims(tok, [1]), relax.op.expand_dims(starts, [0])
+            ),
+            "started",
+        )
+        seq = self.emit(relax.op.sum(relax.op.astype(started, "int32"), axis=[1]), "seq_id")
+        keep = self.emit(
+            relax.op.equal(relax.op.expand_dims(seq, [1]), relax.op.expand_dims(seq, [0])),
+            "same_seq",
+        )
+        if w is not None:
+            dist = relax.op.subtract(relax.op.expand_dims(tok, [0]), relax.op.expand_dims(tok, [1]))
+            inside = relax.op.greater(dist, relax.const(-w, "int32"))
+            keep = self.emit(relax.op.logical_and(keep, inside), "same_seq")
+        mask = self.emit(
+            relax.op.where(keep, relax.const(0.0, dtype), relax.const(WINDOW_MASKED, dtype)),
+            "ragged_mask",
+        )
+        mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "ragged_mask")
+        k, v = self.all_heads(q, k, v)
+        # within a block queries and keys are one sequence: TopLeft is BottomRight there
+        att, tag = self.log.tagged(
+            relax.op.nn.attention(
+                q, k, v, mask, attrs.scale, causal_mask=None if causal == "none" else "TopLeft"
+            )
+        )
+        extra = f", window_size={w}" if w is not None else ""
+        self.log.sites.append(
+            (
+                "var_len",
+                tag,
+                f"attention_var_len ({causal}{extra}) written as one attention over the packed "
+                "tokens with a block-diagonal mask computed from seqstart: TVM cannot legalize "
+                "attention_var_len; the mask is tokens x tokens",
+            )
+        )
+        self.log.counts["var_len"] += 1
         return att
 
     # ---- constant masks ------------------------------------------------------------------

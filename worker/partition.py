@@ -943,6 +943,9 @@ class PartitionResult:
     failures: list[CheckFailure]
     #: why each site that is not fused stacked is not, and chains not seen as attention
     reasons: list[SiteReason] = field(default_factory=list)
+    #: sites left to TVM in a form TVM cannot build (also in ``failures``): the job fails on
+    #: them before codegen, not at build time
+    unbuildable: list[CheckFailure] = field(default_factory=list)
 
     def match_entries(self) -> list[Match]:
         out = []
@@ -1082,11 +1085,99 @@ def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -
         for sid, ff in _sites_of_calls(fused_mod, sites, functions)
     ]
     matches.sort(key=lambda sm: int(sm.site))
+    fused_ids = {sm.site for sm in matches}
+    unbuildable = [
+        f for sid, f in _unbuildable(mod, sites, options) if sid is None or sid not in fused_ids
+    ]
     result = PartitionResult(
-        fused_mod, sites, list(functions.values()), matches, list(failures.values())
+        fused_mod,
+        sites,
+        list(functions.values()),
+        matches,
+        [*failures.values(), *unbuildable],
+        unbuildable=unbuildable,
     )
     result.reasons = site_reasons(mod, result)
     return result
+
+
+#: the pattern name of the refusals below: they concern TVM's fallback, not one of our patterns
+TVM_FALLBACK = "tvm.legalize"
+
+
+def _unbuildable(
+    mod: tvm.IRModule, sites: dict[str, Site], options: CompileOptions
+) -> list[tuple[str | None, CheckFailure]]:
+    """Attention TVM's legalization refuses: sliding windows ("Legalization for sliding-window
+    attention is not supported yet") and ``attention_var_len`` ("Legalization of
+    attention_var_len op is not supported yet"). Each with its site id (None for var-len calls,
+    which are not sites: no pattern takes them); a window counts only where no kernel took it."""
+    out: list[tuple[str | None, CheckFailure]] = []
+    for gv, func in mod.functions.items():
+        if not isinstance(func, relax.Function):
+            continue
+        n_var_len = 0
+        for block in func.body.blocks:
+            for b in block.bindings:
+                call = b.value
+                if not isinstance(call, relax.Call) or not isinstance(call.op, ir.Op):
+                    continue
+                if call.op.name in ATTENTION_OPS and call.attrs.window_size is not None:
+                    _, causal, window = attention_attrs(call)
+                    if not options.normalize:
+                        why = "options.normalize is off, which would write it as a masked attention"
+                    elif causal not in ("TopLeft", "BottomRight"):
+                        why = (
+                            f"a window needs a causal mask (TopLeft or BottomRight), not {causal!r}"
+                        )
+                    else:
+                        why = "normalize writes a window as a mask only for window_size >= 1 and "
+                        why += "q and k of known rank-4 shapes"
+                    sid = site_of(call)
+                    out.append(
+                        (
+                            sid,
+                            CheckFailure(
+                                where=_where_for(sites, sid),
+                                pattern=TVM_FALLBACK,
+                                check="sliding_window",
+                                expected="a window no kernel takes is rewritten as a mask",
+                                actual=f"window_size={window}, causal {causal}",
+                                message=f"sliding-window attention (window_size={window}) is "
+                                "taken by no kernel here and TVM cannot build it; " + why,
+                            ),
+                        )
+                    )
+                elif call.op.name == "relax.nn.attention_var_len":
+                    fn = gv.name_hint[:128]
+                    out.append(
+                        (
+                            None,
+                            CheckFailure(
+                                where=Where(
+                                    function=fn,
+                                    site=f"{fn}/attention_var_len#{n_var_len}",
+                                    binding=name_of(b.var),
+                                ),
+                                pattern=TVM_FALLBACK,
+                                check="var_len",
+                                expected="a form normalize writes as a masked attention",
+                                actual="R.nn.attention_var_len",
+                                message="variable-length attention (R.nn.attention_var_len) is "
+                                "taken by no kernel here and TVM cannot build it; "
+                                + (
+                                    "options.normalize is off, which would write it as one "
+                                    "masked attention"
+                                    if not options.normalize
+                                    else "normalize writes it as one masked attention only "
+                                    "for tokens packed as [1, T, N, H] with one seqstart for "
+                                    "queries and keys"
+                                ),
+                            ),
+                        )
+                    )
+                    n_var_len += 1
+    return out
 
 
 def fuse_patterns(

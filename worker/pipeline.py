@@ -154,6 +154,11 @@ def compile_module(
             gemm_sites=len(gemms.entries),
             gemm_offloaded=sum(1 for e in gemms.entries if e.offloaded),
         )
+        if result.unbuildable:
+            raise CompileError(
+                "attention TVM cannot build was left to it: "
+                + "; ".join(f"{f.where.site}: {f.message}" for f in result.unbuildable)
+            )
 
         say("codegen")
         with timed("codegen"):
