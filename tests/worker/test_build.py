@@ -62,7 +62,7 @@ def test_library_loads_in_tvm_with_sm90_machine_code(
 def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
     res = build(stacked_attention_module(4, 8, 32, 64, 32), kernel_settings, tmp_path)
     doc = json.loads(res.report_path.read_text())
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert doc["target"] == {"arch": "sm_90"}
     assert set(doc["toolchain"]) >= {"apache-tvm", "apache-tvm-ffi", "nvidia-cutlass"}
     assert doc["summary"] == {
@@ -74,7 +74,13 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "gemm_offloaded": 0,
         "gemm_configurations": 0,
     }
-    assert set(doc["timings"]) >= {"ingest", "partition", "codegen", "build"}
+    assert set(doc["timings"]) >= {"ingest_s", "partition_s", "codegen_s", "build_s"}
+    assert all(k.endswith("_s") for k in doc["timings"]) and doc["compile_s"] > 0
+    assert doc["cached"] is False and doc["original_compile_s"] is None
+    (site,) = doc["sites"]
+    assert site["kind"] == "attention" and site["offloaded"] is True
+    assert site["verdict"] == doc["matches"][0]["verdict"]
+    assert site["verdict"].startswith("Fused stacked-QKV attention: runs as one CUTLASS FMHA")
     lib = (tmp_path / LIBRARY_NAME).read_bytes()
     assert doc["library"] == {
         "sha256": hashlib.sha256(lib).hexdigest(),
@@ -105,7 +111,9 @@ def test_identical_sites_share_one_kernel_and_the_cache_hits(
     assert "Hopper FMHA" in kernel.reason
     assert 90 in {sm for kind, sm in entries(res.library.read_bytes()) if kind == KIND_ELF}
     again = build(two_layer_module(2, 16, 4, 64), kernel_settings, tmp_path / "b")
-    assert all(m.kernel and m.kernel.cache_hit for m in again.report.matches)
+    for m in again.report.matches:
+        assert m.kernel is not None and m.kernel.cached
+        assert "from the kernel cache" in m.verdict
 
 
 def test_symbolic_batch_builds(kernel_settings: Settings, tmp_path: Path) -> None:
