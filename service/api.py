@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from service import jobs
 from service.errors import (
     InfrastructureError,
+    InputError,
     InvalidRequest,
     MalformedJSON,
     NotFound,
@@ -115,7 +116,13 @@ def _decode(body: bytes, settings: Settings, toolchain: str) -> tuple[jobs.Submi
     if request.format == "tvm-json":
         # structural check of the TVM JSON graph, without TVM (InputError subclasses: 413/422);
         # TVMScript is checked by the worker's ingest
-        check_module_json(request.module, settings)
+        try:
+            check_module_json(request.module, settings)
+        except MalformedJSON as exc:  # the body parsed; what is not JSON is the module in it
+            raise InputError(
+                f"'module' is not TVM JSON (tvm.ir.save_json of a Relax module): {exc.message}; "
+                'for TVMScript text send "format": "tvmscript"'
+            ) from None
     return jobs.prepare(request, module_bytes, toolchain), module_bytes
 
 
