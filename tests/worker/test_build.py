@@ -234,3 +234,32 @@ def test_validation_compares_with_a_tvm_only_reference_the_pipeline_builds(
     off = kernel_settings.model_copy(update={"validate_on_gpu": False})
     res = build(mod, off, tmp_path / "off")
     assert res.report.validation.status == "not_run" and len(seen) == 1
+
+
+def test_builds_repeat_byte_for_byte(kernel_settings: Settings, tmp_path: Path) -> None:
+    """The same module, target, options and toolchain give the same library bytes, wherever
+    it is built. TVM's half cold (fresh kernel caches: its CUDA kernels go through nvcc each
+    time); the CUTLASS half from the shared kernel cache, in other directories. nvcc's
+    temporary host-file names (tmpxft_<pid>_...), which differ on every cold compile, are in
+    the static symbol table only, which the link strips."""
+    mod = stacked_attention_module(2, 8, 4, 64)
+    tvm_only = {"fuse_stacked": False, "offload_plain": False, "offload_gemm": False}
+    digests = set()
+    for i in range(2):
+        cold = Settings(data_dir=tmp_path / f"d{i}", kernel_cache_dir=tmp_path / f"k{i}")
+        res = build(mod, cold, tmp_path / f"tvm{i}", **tvm_only)
+        assert list((tmp_path / f"k{i}" / "fatbins").rglob("*.fatbin"))  # compiled, not cached
+        digests.add(hashlib.sha256(res.library.read_bytes()).hexdigest())
+    assert len(digests) == 1
+
+    libs = [
+        build(mod, kernel_settings.model_copy(update={"data_dir": tmp_path / f"e{i}"}), out)
+        for i, out in enumerate((tmp_path / "a", tmp_path / "b" / "deeper"))
+    ]
+    data = [r.library.read_bytes() for r in libs]
+    assert data[0] == data[1] and libs[0].report.matches[0].kernel is not None
+    assert b"tmpxft_" not in data[0] and str(tmp_path).encode() not in data[0]
+    assert (
+        libs[0].report.library
+        and libs[0].report.library.sha256 == hashlib.sha256(data[0]).hexdigest()
+    )
