@@ -334,7 +334,7 @@ def _kernel_text(kernel: KernelChoice | None) -> str:
 
 def match_verdict(m: Match) -> str:
     what = {"stacked": "stacked-QKV attention", "plain": "attention"}[m.kind]
-    reads = " reading Q, K and V in place from the stacked tensor" if m.kind == "stacked" else ""
+    reads = ", reading Q, K and V in place from the stacked tensor" if m.kind == "stacked" else ""
     if m.kernel is None:
         return f"Fused {what}{_named(m.names)}: {_kernel_text(None)}."
     return f"Fused {what}{_named(m.names)}: {_kernel_text(m.kernel)}{reads}."
