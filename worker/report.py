@@ -308,9 +308,9 @@ def names_for(weights: list[str], origins: dict[str, str], kind: str) -> UserNam
         mod = _module_of(origins[w]) if origins.get(w) else ""
         if mod and mod not in projections:
             projections.append(mod)
-    if kind == "gemm":
+    if kind == "gemm" and len(projections) <= 1:
         module = projections[0] if projections else ""
-    else:
+    else:  # an attention, or one GEMM made of several projections (combine_projections)
         module = _common_module(projections)
     layer = next(
         (n for n in map(layer_of, [module, *projections, *weights]) if n is not None), None

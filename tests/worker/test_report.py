@@ -96,6 +96,8 @@ def test_names_from_the_manifest() -> None:
     assert len(names.projections) == 3
     gemm = names_for(["p_transformer_h_3_attn_c_proj_weight"], GPT2, "gemm")
     assert gemm.module == "transformer.h.3.attn.c_proj"
+    combined = names_for(["q", "k", "v"], llama, "gemm")  # combine_projections' one GEMM
+    assert combined.module == "model.layers.12.self_attn" and len(combined.projections) == 3
     assert names_for(["onnx::MatMul_7"], {"onnx::MatMul_7": "onnx::MatMul_7"}, "gemm").layer is None
     assert layer_of("p_transformer_h_3_attn_c_attn_weight") == 3 and layer_of("x") is None
     manifest = {"params": [{"name": "a", "origin": "m.0.w"}, {"name": "b", "origin": ""}]}
@@ -156,3 +158,23 @@ def test_a_cached_job_says_so_and_keeps_the_original_compile_time_apart() -> Non
     assert doc["library"]["file"] == "stackfuse-second.so"
     assert "cache_hit" not in json.dumps(doc)
     assert all(k.endswith("_s") for k in doc["timings"])
+
+
+def test_an_imported_gpt2_gets_its_module_paths_and_layers() -> None:
+    """Through `stackfuse import` (torch.export) and normalization, as the service sees it."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.hf_models import build, example_ids
+    from worker.importers import import_any
+    from worker.normalize import normalize
+
+    imported = import_any(build("gpt2"), example_inputs=(example_ids("gpt2", 2, 16),))
+    mod, _ = normalize(imported.mod, CompileOptions(), "sm_90")
+    att = provenance.weights_by_site(mod)
+    names = [names_for(att[sid], imported.origins, "attention") for sid in sorted(att, key=int)]
+    assert [(n.layer, n.module) for n in names] == [(0, "m.h.0.attn"), (1, "m.h.1.attn")]
+    assert names[1].projections == ["m.h.1.attn.c_attn"]
+    gemms = provenance.weights_by_site(mod, gemm=True)
+    modules = {names_for(w, imported.origins, "gemm").module for w in gemms.values()}
+    assert {"m.h.0.attn.c_attn", "m.h.0.attn.c_proj", "m.h.1.mlp.c_fc"} <= modules
