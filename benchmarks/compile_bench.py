@@ -51,7 +51,7 @@ res = compile_module(mod, target=Target(arch="sm_90"),
 job = time.monotonic() - t1
 print(json.dumps({"import_seconds": imported, "job_seconds": job,
                   "timings": res.report.timings,
-                  "cache_hit": res.report.matches[0].kernel.cache_hit,
+                  "cache_hit": res.report.matches[0].kernel.cached,
                   "kernel": res.report.matches[0].kernel.family,
                   "self_max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   # this job's nvcc, cicc, ptxas ... (reaped children of this process only)
@@ -81,7 +81,7 @@ def _job(
     wall = time.monotonic() - t0
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     doc["wall_seconds"] = wall
-    doc["kernel_seconds"] = doc["timings"].get("codegen")
+    doc["kernel_seconds"] = doc["timings"].get("codegen_s")
     # max RSS over every descendant reaped so far (the job process, nvcc, cicc, ptxas ...)
     after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     doc["children_max_rss_kib"] = max(before, after)

@@ -281,8 +281,36 @@ async def get_report(
         if record["status"] == "failed":
             raise NotFound(f"job {job_id} failed before partitioning ran, so it has no report")
         raise _not_ready(record, "report", state.settings)
+    if record.get("cached") == "1":
+        return _cached_report(state, record, sha, if_none_match)
     return _serve_object(
         state, sha, "application/json", f"stackfuse-{job_id}-report.json", if_none_match
+    )
+
+
+def _cached_report(
+    state: AppState, record: dict[str, str], sha256: str, if_none_match: str | None
+) -> Response:
+    """A job answered from the compile cache serves the original job's report as its own:
+    ``cached: true``, the original compile time apart, its own download name."""
+    from worker.report import cached_view  # pydantic only, no TVM
+
+    job_id = record["id"]
+    etag = f'"{sha256}-{job_id}"'
+    if _etag_matches(if_none_match, etag):
+        return Response(status_code=304, headers={"ETag": etag})
+    path = state.store.local_path(sha256)
+    if path is None:
+        raise InfrastructureError(f"object {sha256} is missing from the store")
+    body = cached_view(path.read_bytes(), job_id, record.get("cached_from_job", ""))
+    return Response(
+        body,
+        media_type="application/json",
+        headers={
+            "ETag": etag,
+            "Content-Disposition": f'attachment; filename="stackfuse-{job_id}-report.json"',
+            "Cache-Control": "private, max-age=31536000, immutable",
+        },
     )
 
 

@@ -108,9 +108,10 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     redis_proc = None
+    redis_shown = redact_url(settings.redis_url)
     if not redis_answers(settings.redis_url):
         print(
-            f"stackfuse serve: no Redis at {settings.redis_url}; starting one in "
+            f"stackfuse serve: no Redis at {redis_shown}; starting one in "
             f"{settings.data_dir / 'redis'}",
             file=sys.stderr,
         )
@@ -118,6 +119,17 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             redis_proc = start_local_redis(settings)
         except StackfuseError as err:
             return _fail(err.message, EXIT_INFRA)
+    else:
+        print(f"stackfuse serve: using the Redis already at {redis_shown}", file=sys.stderr)
+    host = args.host or settings.api_host
+    url = f"http://{host}:{args.port or settings.api_port}"
+    print(f"stackfuse serve: data dir {settings.data_dir}", file=sys.stderr)
+    print(
+        f"stackfuse serve: API at {url} (`stackfuse submit` finds it; from elsewhere: "
+        f"export STACKFUSE_URL={url})",
+        file=sys.stderr,
+    )
+    state = write_serve_state(settings, url)
     env = {
         **os.environ,
         "STACKFUSE_REDIS_URL": settings.redis_url,
@@ -140,24 +152,96 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     except KeyboardInterrupt:
         pass  # Ctrl-C or SIGTERM: a normal way to stop serve
     finally:
+        clear_serve_state(state)
         _stop(worker, settings.shutdown_grace_s, "worker")
         if redis_proc is not None:
             _stop(redis_proc, 10.0, "redis-server")
     return EXIT_OK
 
 
+# --- where `serve` listens (so that `submit` finds it) ----------------------------------------
+SERVE_STATE = "serve.json"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) shown as ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def write_serve_state(settings: Settings, url: str) -> Path:
+    """``<data_dir>/serve.json``: the API URL of the running ``serve`` and its pid."""
+    path = settings.data_dir / SERVE_STATE
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(tmp, path)
+    return path
+
+
+def clear_serve_state(path: Path) -> None:
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def served_url(settings: Settings) -> str | None:
+    """The URL a live ``stackfuse serve`` of this data dir wrote, if any."""
+    try:
+        state = json.loads((settings.data_dir / SERVE_STATE).read_text())
+        os.kill(int(state["pid"]), 0)
+        return str(state["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def api_url(explicit: str | None, settings: Settings) -> str:
+    """--url, else $STACKFUSE_URL, else the URL `stackfuse serve` wrote, else
+    http://STACKFUSE_API_HOST:STACKFUSE_API_PORT."""
+    return (
+        explicit
+        or os.environ.get("STACKFUSE_URL")
+        or served_url(settings)
+        or f"http://{settings.api_host}:{settings.api_port}"
+    )
+
+
 # --- submit (HTTP client) ---------------------------------------------------------------------
 def _register_submit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("submit", help="submit a model to a running API, optionally wait")
-    p.add_argument("model", type=Path, help="the module (TVM JSON, or TVMScript with --format)")
-    p.add_argument("--url", default=None, help="API base URL (default http://API_HOST:API_PORT)")
-    p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
+    p.add_argument("model", type=Path, help=MODEL_HELP)
+    p.add_argument(
+        "--url",
+        default=None,
+        help="API base URL (default: $STACKFUSE_URL, else the URL a running `stackfuse serve` "
+        "wrote, else http://STACKFUSE_API_HOST:STACKFUSE_API_PORT)",
+    )
+    p.add_argument("--arch", default="sm_90", help=ARCH_HELP)
     p.add_argument("--format", default="tvm-json", choices=["tvm-json", "tvmscript"])
     p.add_argument("--options", default="{}", help="compile options as JSON")
     p.add_argument("--idempotency-key", help="make retries of this submit safe")
-    p.add_argument("--wait", action="store_true", help="poll until done, with a progress bar")
-    p.add_argument("--out", type=Path, help="with --wait: download the .so and report here")
-    p.add_argument("--timeout", type=float, default=3600.0, help="--wait gives up after this")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="poll until done with a progress bar, then print the fusion summary",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="with --wait: download the library (stackfuse-<job>.so) and report.json into this "
+        "directory (nothing is downloaded without it)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds --wait waits (default 3600)"
+    )
     p.set_defaults(func=_cmd_submit)
 
 
@@ -175,17 +259,19 @@ class _Bar:
     def __init__(self) -> None:
         self.tty = sys.stderr.isatty()
         self.last = ""
+        self.started = time.monotonic()
 
     def show(self, job: dict[str, Any]) -> None:
         frac = float(job.get("progress", 0.0))
         label = f"{job['status']}: {job.get('stage', '')} {job.get('detail', '')}".strip()
+        elapsed = f"{time.monotonic() - self.started:6.1f}s"
         if self.tty:
             filled = int(frac * 30)
             bar = "#" * filled + "-" * (30 - filled)
-            sys.stderr.write(f"\r[{bar}] {frac * 100:5.1f}% {label[:60]:<60}")
+            sys.stderr.write(f"\r[{bar}] {frac * 100:5.1f}% {elapsed} {label[:60]:<60}")
             sys.stderr.flush()
         elif label != self.last:
-            print(f"{frac * 100:5.1f}% {label}", file=sys.stderr)
+            print(f"[{elapsed}] {frac * 100:5.1f}% {label}", file=sys.stderr)
         self.last = label
 
     def close(self) -> None:
@@ -196,6 +282,8 @@ class _Bar:
 def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     import httpx
 
+    if args.out is not None and not args.wait:
+        return _fail("--out downloads the finished job's files, so it needs --wait", EXIT_INPUT)
     try:
         text = args.model.read_text(encoding="utf-8")
         options = json.loads(args.options)
@@ -203,7 +291,7 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         return _fail(f"cannot read {args.model}: {exc}", EXIT_INPUT)
     except json.JSONDecodeError as exc:
         return _fail(f"--options is not JSON: {exc}", EXIT_INPUT)
-    base = args.url or f"http://{settings.api_host}:{settings.api_port}"
+    base = api_url(args.url, settings)
     body = {
         "module": text,
         "format": args.format,
@@ -224,12 +312,12 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             )
             if not args.wait:
                 return EXIT_OK
-            return _wait(client, job, args)
+            return _wait(client, job, args, base)
     except httpx.HTTPError as exc:
         return _fail(f"cannot reach the API at {base}: {exc}", EXIT_INFRA)
 
 
-def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace) -> int:
+def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace, base: str) -> int:
     bar = _Bar()
     deadline = time.monotonic() + args.timeout
     try:
@@ -247,19 +335,92 @@ def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace) -> int:
         bar.show(job)
     finally:
         bar.close()
-    out: Path = args.out or Path(".")
+    out: Path | None = args.out
     if job["links"].get("report"):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").write_bytes(client.get(job["links"]["report"]).content)
-        print(f"report: {out / 'report.json'}")
+        raw = client.get(job["links"]["report"]).content
+        report = _named_report(raw, args.model)
+        if report is not None:
+            print_summary(report)
+            raw = report.model_dump_json(indent=2).encode()
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "report.json").write_bytes(raw)
+            print(f"report:  {out / 'report.json'}")
     if job["status"] == "failed":
         err = job.get("error") or {}
         return _fail(f"job failed: {err.get('type')}: {err.get('message')}", EXIT_FAILED)
+    if out is None:
+        print(
+            f"not downloaded (pass --out DIR): {base}{job['links']['artifact']} and "
+            f"{base}{job['links']['report']}"
+        )
+        return EXIT_OK
     r = client.get(job["links"]["artifact"])
-    (out / "model.so").write_bytes(r.content)
+    name = f"stackfuse-{job['id']}.so"  # the artifact's download name, as the report says
+    (out / name).write_bytes(r.content)
     etag = r.headers.get("ETag", "").strip('"')
-    print(f"library: {out / 'model.so'} ({len(r.content)} bytes, sha256 {etag})")
+    print(f"library: {out / name} ({len(r.content)} bytes, sha256 {etag})")
     return EXIT_OK
+
+
+# --- the fusion summary (compile and submit) --------------------------------------------------
+MODEL_HELP = (
+    "the module: TVM JSON (from `stackfuse import`, or tvm.ir.save_json of a Relax module), or "
+    "TVMScript with --format tvmscript; a model.inputs.json beside it (written by `stackfuse "
+    "import`) gives the report the model's own layer names"
+)
+ARCH_HELP = "target GPU architecture: sm_80, sm_86, sm_89 or sm_90 (default sm_90, Hopper)"
+#: GEMM sites listed one per line up to this many; beyond, only those left to TVM
+GEMM_LINES = 12
+
+
+def manifest_of(model: Path) -> Path:
+    """``model.inputs.json`` beside ``model.json``: the manifest `stackfuse import` writes."""
+    stem = model.with_suffix("")
+    return stem.with_name(stem.name + ".inputs.json")
+
+
+def origins_beside(model: Path) -> dict[str, str]:
+    from worker.report import origins_of
+
+    try:
+        return origins_of(json.loads(manifest_of(model).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _named_report(raw: bytes, model: Path) -> Any:
+    """The downloaded report, with the model's own names when its manifest is beside it."""
+    from pydantic import ValidationError
+
+    from worker.report import Report, with_origins
+
+    try:
+        report = Report.model_validate_json(raw)
+    except ValidationError:
+        return None  # a report of another schema version: saved as it came
+    origins = origins_beside(model)
+    return with_origins(report, origins) if origins else report
+
+
+def print_summary(report: Any) -> None:
+    """What `compile` and `submit` print: counts, then one verdict per site."""
+    s = report.summary
+    print(
+        f"{s.attention_sites} attention site(s): {s.fused_stacked} fused stacked, "
+        f"{s.fused_plain} fused plain, {s.not_offloaded} left to TVM; "
+        f"{s.gemm_sites} matmul(s): {s.gemm_offloaded} on CUTLASS"
+    )
+    gemms = [v for v in report.sites if v.kind == "gemm"]
+    shown = [v for v in report.sites if v.kind == "attention"]
+    shown += gemms if len(gemms) <= GEMM_LINES else [v for v in gemms if not v.offloaded]
+    for v in shown:
+        print(f"  {v.where.site}: {v.verdict}")
+    if len(shown) < len(report.sites):
+        print(f"  ({len(report.sites) - len(shown)} more offloaded matmul(s): see the report)")
+    if report.cached:
+        took = f" in {report.original_compile_s:.1f} s" if report.original_compile_s else ""
+        print(f"cached: built by job {report.original_job or '?'}{took}; nothing compiled now")
 
 
 # --- import (PyTorch / ONNX -> TVM JSON, on the user's machine) -------------------------------
@@ -279,9 +440,9 @@ def _register_gc(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 # --- compile (local, no service) --------------------------------------------------------------
 def _register_compile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("compile", help="compile a model here, without the service")
-    p.add_argument("model", type=Path)
+    p.add_argument("model", type=Path, help=MODEL_HELP)
     p.add_argument("--out", type=Path, required=True, help="directory for model.so + report")
-    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--arch", default="sm_90", help=ARCH_HELP)
     p.add_argument("--format", default="tvm-json", choices=["tvm-json", "tvmscript"])
     p.add_argument("--options", default="{}", help="compile options as JSON")
     p.set_defaults(func=_cmd_compile)
@@ -329,20 +490,14 @@ def _cmd_compile(args: argparse.Namespace, settings: Settings) -> int:
             settings=settings,
             progress=progress,
             fmt=args.format,
+            origins=origins_beside(args.model) or None,
         )
     except StackfuseError as err:
         if (args.out / "report.json").exists():
             print(f"report: {args.out / 'report.json'}", file=sys.stderr)
         return _fail(f"{err.type}: {err.message}", _exit_code(err))
     r = result.report
-    s = r.summary
-    print(
-        f"{s.attention_sites} attention site(s): {s.fused_stacked} fused stacked, "
-        f"{s.fused_plain} fused plain, {s.not_offloaded} not offloaded"
-    )
-    for m in r.matches:
-        kernel = f" -> {m.kernel.family} ({m.kernel.symbol})" if m.kernel else ""
-        print(f"  {m.where.site}: {m.kind}/{m.variant} {m.dtype}{kernel}")
+    print_summary(r)
     size = r.library.size_bytes if r.library else result.library.stat().st_size
     print(f"library: {result.library} ({size} bytes)")
     print(f"report:  {result.report_path}")

@@ -24,12 +24,19 @@ class OptimizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    module: str = Field(description="The Relax module, serialized as `format` says.")
+    module: str = Field(
+        min_length=1, description="The Relax module, serialized as `format` says (not empty)."
+    )
     format: ModuleFormat = Field(
         default="tvm-json", description="`tvm-json` (tvm.ir.save_json) or `tvmscript` text."
     )
-    target: Target = Field(default_factory=Target)
-    options: CompileOptions = Field(default_factory=CompileOptions)
+    target: Target = Field(
+        default_factory=Target,
+        description='The GPU to build for; when left out, `{"arch": "sm_90"}` (Hopper).',
+    )
+    options: CompileOptions = Field(
+        default_factory=CompileOptions, description="Compile options; every one has a default."
+    )
 
 
 class JobError(BaseModel):

@@ -7,6 +7,7 @@ machine with nothing configured. Nothing here imports TVM, FastAPI or RQ.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+
+
+def default_data_dir() -> Path:
+    """Per user, not per working directory: ``$XDG_DATA_HOME/stackfuse`` (default
+    ``~/.local/share/stackfuse``), so that running from another folder reuses the caches."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "stackfuse"
 
 
 class Settings(BaseSettings):
@@ -31,8 +40,9 @@ class Settings(BaseSettings):
         description="Redis holding the queue and job records.",
     )
     data_dir: Path = Field(
-        default=Path(".stackfuse-data"),
-        description="Content-addressed store shared by API and workers (inputs, outputs).",
+        default_factory=default_data_dir,
+        description="Content-addressed store shared by API and workers (inputs, outputs); "
+        "default $XDG_DATA_HOME/stackfuse (~/.local/share/stackfuse).",
     )
     kernel_cache_dir: Path | None = Field(
         default=None,
@@ -170,7 +180,7 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, path: Path | None) -> Path | None:
         """Absolute from the start: nvcc and the validation child run in other directories, so a
-        relative default (``.stackfuse-data``) would name a different place there."""
+        relative path would name a different place there."""
         return path.expanduser().absolute() if path is not None else None
 
     def resolved_kernel_cache_dir(self) -> Path:

@@ -30,10 +30,27 @@ from redis import Redis
 REPO = Path(__file__).resolve().parents[1]
 
 
+#: the session's own kernel cache, when this session made one (removed at its end)
+_OWN_KERNEL_CACHE: list[str] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # One kernel cache for every compile of this session: workers and in-process tests.
     if not os.environ.get("STACKFUSE_KERNEL_CACHE_DIR"):
-        os.environ["STACKFUSE_KERNEL_CACHE_DIR"] = tempfile.mkdtemp(prefix="stackfuse-kernels-")
+        path = tempfile.mkdtemp(prefix="stackfuse-kernels-")
+        _OWN_KERNEL_CACHE.append(path)
+        os.environ["STACKFUSE_KERNEL_CACHE_DIR"] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A cache set from outside is kept (that is what setting it is for); our own is not."""
+    import shutil
+
+    for path in _OWN_KERNEL_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get("STACKFUSE_KERNEL_CACHE_DIR") == path:
+            del os.environ["STACKFUSE_KERNEL_CACHE_DIR"]
+    _OWN_KERNEL_CACHE.clear()
 
 
 # --- helpers ----------------------------------------------------------------------------------

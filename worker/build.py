@@ -181,6 +181,11 @@ def _linker(chain: Toolchain, settings: Settings) -> Callable[..., None]:
             cxx,
             "-shared",
             "-fPIC",
+            # Reproducible: the static symbol table names nvcc's temporary host files
+            # (tmpxft_<pid>_...cudafe1.cpp), different on every cold compile; the dynamic one
+            # (the entry points TVM looks up) stays. The build id is then a hash of the rest.
+            "-Wl,--strip-all",
+            "-Wl,--build-id=sha1",
             "-o",
             output,
             *objects,

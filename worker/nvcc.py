@@ -185,17 +185,19 @@ def cached_build(
         if entry.exists():  # another worker finished it while we waited
             return None
         pid = os.getpid()
-        if keep_source:
-            src = shard / f"{key}.cu"
-            tmp_src = shard / f"{key}.{pid}.cu.tmp"
-            tmp_src.write_text(source)
-            os.replace(tmp_src, src)
-        else:
-            src = shard / f"{key}.{pid}.cu"
-            src.write_text(source)
+        # One name per key (we hold its lock), whatever the process: nvcc puts the source's
+        # name into the object (__FILE__ strings), so a pid or a directory in it would make two
+        # compiles of one unit differ.
+        src = shard / f"{key}.cu"
+        tmp_src = shard / f"{key}.{pid}.cu.tmp"
+        tmp_src.write_text(source)
+        os.replace(tmp_src, src)
         tmp = shard / f"{key}.{pid}{entry.suffix}.tmp"
         try:
-            result = run_nvcc(argv(src, tmp), src, tmp, settings=settings, chain=chain, what=what)
+            # named relative to nvcc's working directory (the shard, see run_nvcc): the object
+            # then holds no path of this machine's cache
+            rel = argv(Path(src.name), Path(tmp.name))
+            result = run_nvcc(rel, src, tmp, settings=settings, chain=chain, what=what)
             os.replace(tmp, entry)
         finally:
             tmp.unlink(missing_ok=True)

@@ -13,11 +13,12 @@ This is also the one boundary where foreign errors (TVM's) become our own.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,17 @@ from service.errors import CompileError, StackfuseError
 from service.settings import Settings, get_settings
 from service.spec import CompileOptions, Target, toolchain_versions
 from worker.kernel_source import CompiledKernel
-from worker.report import KernelChoice, Library, Report, Summary, Validation
+from worker.report import (
+    KernelChoice,
+    Library,
+    Report,
+    Summary,
+    UserNames,
+    Validation,
+    fill_verdicts,
+    layer_of,
+    names_for,
+)
 
 #: progress(stage, fraction_done_overall 0..1, detail) -- detail is e.g. "kernel 2 of 3".
 ProgressFn = Callable[[str, float, str], None]
@@ -78,8 +89,14 @@ def compile_module(
     settings: Settings | None = None,
     progress: ProgressFn | None = None,
     fmt: str = "tvm-json",
+    library_file: str = LIBRARY_NAME,
+    origins: dict[str, str] | None = None,
 ) -> CompileResult:
     """Compile one serialized Relax module into ``out_dir/model.so`` + ``out_dir/report.json``.
+
+    ``library_file`` is the name the report gives the library (the service's download name);
+    ``origins`` (parameter -> state-dict key or ONNX name, from an import manifest) gives the
+    report the user's names of each site.
 
     Raises only :class:`service.errors.StackfuseError` subclasses: ``InputError`` for a bad or
     hostile module, ``CompileError`` for a deterministic failure, ``InfrastructureError`` when
@@ -95,6 +112,7 @@ def compile_module(
     )
     partitioned = False
     current = ["ingest"]
+    started = time.monotonic()
 
     def say(stage: str, detail: str = "", within: float = 0.0) -> None:
         current[0] = stage
@@ -110,7 +128,8 @@ def compile_module(
         try:
             yield
         finally:
-            report.timings[stage] = round(report.timings.get(stage, 0.0) + time.monotonic() - t0, 4)
+            key = f"{stage}_s"
+            report.timings[key] = round(report.timings.get(key, 0.0) + time.monotonic() - t0, 4)
 
     try:
         say("ingest")
@@ -137,13 +156,29 @@ def compile_module(
                 report.normalizations.extend(rewrites)
         say("partition")
         with timed("partition"):
+            attention_weights = _weights_by_site(mod, gemm=False)
             result = partition.partition(mod, options, target.arch)
+            gemm_weights = _weights_by_site(result.mod, gemm=True)
             gemms = gemm_partition.partition_gemms(result.mod, options, target.arch)
         partitioned = True
         report.gemms = gemms.entries
         report.matches = result.match_entries()
         report.check_failures = result.failures
         report.site_reasons = result.reasons
+        names = {
+            sid: _names(attention_weights.get(sid, []), origins, "attention")
+            for sid in result.sites
+        }
+        for match, sm in zip(report.matches, result.fused, strict=True):
+            match.names = names.get(sm.site, UserNames())
+        for sid, site in gemms.sites.items():
+            entry = next((e for e in gemms.entries if e.where == site.where), None)
+            if entry is not None:
+                entry.names = _names(gemm_weights.get(sid, []), origins, "gemm")
+        attention_sites = [
+            (result.sites[sid].where, names[sid]) for sid in sorted(result.sites, key=int)
+        ]
+        fill_verdicts(report, attention_sites)
         stacked = sum(1 for f in result.fused if f.pattern.kind == "stacked")
         report.summary = Summary(
             attention_sites=len(result.sites),
@@ -190,8 +225,7 @@ def compile_module(
                 reason=reason,
                 config=ks.config,
                 workspace_bytes=ks.workspace_bytes,
-                compile_seconds=round(ck.seconds, 3),
-                cache_hit=ck.cache_hit,
+                **_kernel_times(ck),
             )
 
         for sid, ff in gemms.fused.items():
@@ -203,9 +237,9 @@ def compile_module(
                 symbol=ks.symbol,
                 reason=reason,
                 config=ks.config,
-                compile_seconds=round(ck.seconds, 3),
-                cache_hit=ck.cache_hit,
+                **_kernel_times(ck),
             )
+        fill_verdicts(report, attention_sites)
         report.summary.gemm_configurations = len(
             {ks.needs[0].symbol for ks, _ in chosen.values() if ks.family in gemm_sites.families()}
         )
@@ -236,6 +270,7 @@ def compile_module(
         report.library = Library(
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),
+            file=library_file,
             calling_convention=convention,
         )
 
@@ -253,17 +288,20 @@ def compile_module(
                 f"the built library disagrees with the reference: {report.validation.reason}"
             )
     except StackfuseError as exc:
+        report.compile_s = round(time.monotonic() - started, 3)
         if partitioned:
             report.error = {k: str(v) for k, v in exc.to_dict().items()}
             _write_report(report, out_dir)
         raise
     except Exception as exc:  # TVM and friends: translated here, once
         err = _foreign(exc, current[0])
+        report.compile_s = round(time.monotonic() - started, 3)
         if partitioned:
             report.error = {k: str(v) for k, v in err.to_dict().items()}
             _write_report(report, out_dir)
         raise err from exc
     say("done")
+    report.compile_s = round(time.monotonic() - started, 3)
     return CompileResult(library=library, report_path=_write_report(report, out_dir), report=report)
 
 
@@ -292,6 +330,34 @@ def build_reference(
         settings=settings,
         fmt=fmt,
     )
+
+
+def _weights_by_site(mod: Any, *, gemm: bool) -> dict[str, list[str]]:
+    """Report text only: a walk that fails costs the names, never the compile."""
+    from worker import provenance
+
+    try:
+        return provenance.weights_by_site(mod, gemm=gemm)
+    except Exception:
+        return {}
+
+
+def _names(weights: list[str], origins: dict[str, str] | None, kind: str) -> UserNames:
+    if origins:
+        return names_for(weights, origins, kind)
+    layer = next((n for n in map(layer_of, weights) if n is not None), None)
+    return UserNames(layer=layer, weights=weights)
+
+
+def _kernel_times(ck: CompiledKernel) -> dict[str, Any]:
+    """``compile_s`` this compile spent; when cached, what the first compile took (the kernel
+    cache keeps it beside the object)."""
+    times: dict[str, Any] = {"compile_s": round(ck.seconds, 3), "cached": ck.cache_hit}
+    if ck.cache_hit:
+        meta = ck.object_path.with_suffix(".json")
+        with suppress(OSError, ValueError, KeyError, TypeError):
+            times["original_compile_s"] = round(float(json.loads(meta.read_text())["seconds"]), 3)
+    return times
 
 
 def _validate(

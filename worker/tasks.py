@@ -216,6 +216,7 @@ def _compile(
             settings=settings,
             progress=_Progress(records, job_id, FaultPlan().hook(input_sha256, attempt)),
             fmt=spec.get("format", "tvm-json"),
+            library_file=f"stackfuse-{job_id}.so",  # the artifact's download name
         )
         artifact = store.put_file(result.library)
         report = store.put_file(result.report_path)

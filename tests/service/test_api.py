@@ -92,6 +92,16 @@ def test_wrong_content_type_is_415(client: httpx.Client) -> None:
     assert_problem(r, 415, "unsupported-media-type")
 
 
+def test_an_empty_or_non_json_module_says_what_is_wrong_with_module(
+    client: httpx.Client,
+) -> None:
+    problem = assert_problem(client.post("/optimize", json=body("")), 422, "invalid-request")
+    assert "module" in str(problem["detail"]) and "JSON" not in str(problem["title"])
+    problem = assert_problem(client.post("/optimize", json=body("not json")), 422, "invalid-module")
+    assert str(problem["detail"]).startswith("'module' is not TVM JSON")
+    assert "tvmscript" in str(problem["detail"])
+
+
 def test_unknown_target_is_422(client: httpx.Client) -> None:
     r = client.post("/optimize", json=body(target={"arch": "sm_75"}))
     problem = assert_problem(r, 422, "unknown-target")
@@ -116,7 +126,7 @@ def test_wrong_shape_is_422(client: httpx.Client, payload: object) -> None:
     ("module", "type_"),
     [
         ('{"root_index": 0}', "invalid-module"),
-        ("[1, 2", "malformed-json"),
+        ("[1, 2", "invalid-module"),  # the body is JSON; the module in it is not
         ('{"root_index": 0, "nodes": [{"type": "tirx.PrimFunc"}]}', "forbidden-construct"),
     ],
 )
@@ -271,6 +281,7 @@ def test_healthz_and_openapi(client: httpx.Client) -> None:
     } <= set(paths)
     schema = paths["/optimize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert "module" in schema["properties"]
+    assert "sm_90" in schema["properties"]["target"]["description"]  # the default, documented
 
 
 def test_readyz_needs_a_live_worker_and_redis(

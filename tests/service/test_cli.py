@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,11 +18,11 @@ from tests.conftest import REPO, ApiProcess, WorkerPool, free_port, pid_alive, w
 
 
 def stackfuse(
-    *args: str, env: dict[str, str], timeout: float = 300
+    *args: str, env: dict[str, str], timeout: float = 300, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "service.cli", *args],
-        cwd=REPO,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -60,6 +62,7 @@ def test_serve_brings_its_own_redis_and_a_worker_and_stops_them_all(
                 return False
 
         wait_for(ready, 60, "stackfuse serve to be ready (redis, worker, API)")
+        assert json.loads((tmp_path / "data" / "serve.json").read_text())["url"] == url
         children = subprocess.run(
             ["pgrep", "-P", str(serve.pid)], capture_output=True, text=True
         ).stdout.split()
@@ -74,6 +77,11 @@ def test_serve_brings_its_own_redis_and_a_worker_and_stops_them_all(
         serve.wait(60)
     assert serve.returncode == 0
     wait_for(lambda: not any(pid_alive(int(p)) for p in children), 30, "serve's children to exit")
+    said = (tmp_path / "serve.log").read_text()
+    assert f"no Redis at redis://127.0.0.1:{redis_port}/0" in said
+    assert f"data dir {tmp_path / 'data'}" in said
+    assert f"export STACKFUSE_URL={url}" in said
+    assert not (tmp_path / "data" / "serve.json").exists()  # removed on the way out
 
 
 def test_compile_refuses_bad_input_with_one_line_and_status_2(
@@ -129,8 +137,65 @@ def test_submit_waits_and_downloads(
         "submit", str(model), "--url", api.url, "--wait", "--out", str(out), env=service_env
     )
     assert r.returncode == 0, r.stderr
-    assert (out / "model.so").stat().st_size > 0 and (out / "report.json").is_file()
+    job = r.stdout.split()[1]
+    assert (out / f"stackfuse-{job}.so").stat().st_size > 0 and (out / "report.json").is_file()
+    report = json.loads((out / "report.json").read_text())
+    assert report["library"]["file"] == f"stackfuse-{job}.so" and report["cached"] is False
     assert "succeeded" in r.stderr  # the progress display reached the end
+    assert re.search(r"^\[ *\d+\.\ds\] ", r.stderr, re.M), r.stderr  # with elapsed seconds
+    assert "1 fused stacked" in r.stdout and "Fused stacked-QKV attention" in r.stdout
+
+    # --wait alone waits and summarizes, and writes nothing into the working directory
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    again = stackfuse("submit", str(model), "--url", api.url, "--wait", env=service_env, cwd=cwd)
+    assert again.returncode == 0, again.stderr
+    assert "(cached)" in again.stdout and "cached: built by job " + job in again.stdout
+    assert "not downloaded (pass --out DIR)" in again.stdout
+    assert list(cwd.iterdir()) == []
+
+
+def test_submit_out_needs_wait(tmp_path: Path, service_env: dict[str, str]) -> None:
+    model = tmp_path / "model.json"
+    model.write_text("{}")
+    r = stackfuse("submit", str(model), "--out", str(tmp_path / "o"), env=service_env)
+    assert r.returncode == 2 and "needs --wait" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_submit_finds_the_api_serve_started_or_stackfuse_url(
+    api: ApiProcess, tmp_path: Path, service_env: dict[str, str]
+) -> None:
+    """`serve --port 8001` writes its URL into the data dir; `submit` (no --url) goes there, and
+    $STACKFUSE_URL wins over it. Reaching the API shows as its refusal of sm_75."""
+    from service.cli import write_serve_state
+    from service.settings import Settings
+
+    model = tmp_path / "model.json"
+    model.write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    env = {**service_env, "STACKFUSE_DATA_DIR": str(data), "STACKFUSE_API_PORT": "1"}
+    env.pop("STACKFUSE_URL", None)
+    nowhere = stackfuse("submit", str(model), "--arch", "sm_75", env=env)
+    assert (
+        nowhere.returncode == 3 and "cannot reach the API at http://127.0.0.1:1" in nowhere.stderr
+    )
+    state = write_serve_state(Settings(data_dir=data), api.url)  # as by a live serve: this pid
+    r = stackfuse("submit", str(model), "--arch", "sm_75", env=env)
+    assert r.returncode == 2 and "Unknown target" in r.stderr, r.stderr
+    state.write_text(json.dumps({"url": api.url, "pid": 2**22 + 1}))  # serve is gone
+    assert stackfuse("submit", str(model), "--arch", "sm_75", env=env).returncode == 3
+    r = stackfuse("submit", str(model), "--arch", "sm_75", env={**env, "STACKFUSE_URL": api.url})
+    assert r.returncode == 2 and "Unknown target" in r.stderr
+
+
+def test_redis_passwords_are_not_printed() -> None:
+    from service.cli import redact_url
+
+    assert redact_url("redis://:s3cret@db:6380/2") == "redis://:***@db:6380/2"
+    assert redact_url("redis://u:p@h/0") == "redis://u:***@h/0"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def test_submit_reports_a_refusal_with_status_2(
@@ -152,6 +217,15 @@ def test_help_lists_the_subcommands() -> None:
     )
     for cmd in ("api", "worker", "serve", "submit", "compile"):
         assert cmd in r.stdout
+    for sub, words in (("compile", ("TVM JSON", "sm_90, Hopper")), ("submit", ("seconds",))):
+        h = subprocess.run(
+            [sys.executable, "-m", "service.cli", sub, "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ},
+        ).stdout
+        assert all(w in " ".join(h.split()) for w in words), h
 
 
 def test_prebuild_lists_the_selected_configurations_and_refuses_bad_input(

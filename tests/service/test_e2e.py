@@ -102,6 +102,15 @@ def test_cache_hit_finishes_at_once_without_recompiling(
     assert not redis_server.client().exists(f"rq:job:{hit['id']}")  # nothing was enqueued
     art = client.get(f"/jobs/{hit['id']}/artifact")
     assert hashlib.sha256(art.content).hexdigest() == first["artifact_sha256"]
+    # its report is the first job's, told as its own: cached, the first compile's time apart
+    original = client.get(f"/jobs/{first['id']}/report").json()
+    report = client.get(f"/jobs/{hit['id']}/report").json()
+    assert original["cached"] is False and original["compile_s"] > 0
+    assert report["cached"] is True and report["original_job"] == first["id"]
+    assert report["compile_s"] == 0 and report["original_compile_s"] == original["compile_s"]
+    assert report["library"]["file"] == f"stackfuse-{hit['id']}.so"
+    assert original["library"]["file"] == f"stackfuse-{first['id']}.so"
+    assert all(m["kernel"]["cached"] for m in report["matches"])
 
     # different options or target: a different cache key, so a real compile
     other = submit(client, module, options={"normalize": False})

@@ -62,7 +62,7 @@ def test_library_loads_in_tvm_with_sm90_machine_code(
 def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
     res = build(stacked_attention_module(4, 8, 32, 64, 32), kernel_settings, tmp_path)
     doc = json.loads(res.report_path.read_text())
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert doc["target"] == {"arch": "sm_90"}
     assert set(doc["toolchain"]) >= {"apache-tvm", "apache-tvm-ffi", "nvidia-cutlass"}
     assert doc["summary"] == {
@@ -75,7 +75,13 @@ def test_report_contents(kernel_settings: Settings, tmp_path: Path) -> None:
         "gemm_offloaded": 0,
         "gemm_configurations": 0,
     }
-    assert set(doc["timings"]) >= {"ingest", "partition", "codegen", "build"}
+    assert set(doc["timings"]) >= {"ingest_s", "partition_s", "codegen_s", "build_s"}
+    assert all(k.endswith("_s") for k in doc["timings"]) and doc["compile_s"] > 0
+    assert doc["cached"] is False and doc["original_compile_s"] is None
+    (site,) = doc["sites"]
+    assert site["kind"] == "attention" and site["offloaded"] is True
+    assert site["verdict"] == doc["matches"][0]["verdict"]
+    assert site["verdict"].startswith("Fused stacked-QKV attention: runs as one CUTLASS FMHA")
     lib = (tmp_path / LIBRARY_NAME).read_bytes()
     assert doc["library"] == {
         "sha256": hashlib.sha256(lib).hexdigest(),
@@ -106,7 +112,9 @@ def test_identical_sites_share_one_kernel_and_the_cache_hits(
     assert "Hopper FMHA" in kernel.reason
     assert 90 in {sm for kind, sm in entries(res.library.read_bytes()) if kind == KIND_ELF}
     again = build(two_layer_module(2, 16, 4, 64), kernel_settings, tmp_path / "b")
-    assert all(m.kernel and m.kernel.cache_hit for m in again.report.matches)
+    for m in again.report.matches:
+        assert m.kernel is not None and m.kernel.cached
+        assert "from the kernel cache" in m.verdict
 
 
 def test_symbolic_batch_builds(kernel_settings: Settings, tmp_path: Path) -> None:
@@ -227,3 +235,32 @@ def test_validation_compares_with_a_tvm_only_reference_the_pipeline_builds(
     off = kernel_settings.model_copy(update={"validate_on_gpu": False})
     res = build(mod, off, tmp_path / "off")
     assert res.report.validation.status == "not_run" and len(seen) == 1
+
+
+def test_builds_repeat_byte_for_byte(kernel_settings: Settings, tmp_path: Path) -> None:
+    """The same module, target, options and toolchain give the same library bytes, wherever
+    it is built. TVM's half cold (fresh kernel caches: its CUDA kernels go through nvcc each
+    time); the CUTLASS half from the shared kernel cache, in other directories. nvcc's
+    temporary host-file names (tmpxft_<pid>_...), which differ on every cold compile, are in
+    the static symbol table only, which the link strips."""
+    mod = stacked_attention_module(2, 8, 4, 64)
+    tvm_only = {"fuse_stacked": False, "offload_plain": False, "offload_gemm": False}
+    digests = set()
+    for i in range(2):
+        cold = Settings(data_dir=tmp_path / f"d{i}", kernel_cache_dir=tmp_path / f"k{i}")
+        res = build(mod, cold, tmp_path / f"tvm{i}", **tvm_only)
+        assert list((tmp_path / f"k{i}" / "fatbins").rglob("*.fatbin"))  # compiled, not cached
+        digests.add(hashlib.sha256(res.library.read_bytes()).hexdigest())
+    assert len(digests) == 1
+
+    libs = [
+        build(mod, kernel_settings.model_copy(update={"data_dir": tmp_path / f"e{i}"}), out)
+        for i, out in enumerate((tmp_path / "a", tmp_path / "b" / "deeper"))
+    ]
+    data = [r.library.read_bytes() for r in libs]
+    assert data[0] == data[1] and libs[0].report.matches[0].kernel is not None
+    assert b"tmpxft_" not in data[0] and str(tmp_path).encode() not in data[0]
+    assert (
+        libs[0].report.library
+        and libs[0].report.library.sha256 == hashlib.sha256(data[0]).hexdigest()
+    )
