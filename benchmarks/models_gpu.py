@@ -105,7 +105,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
     from service.spec import CompileOptions, Target
     from tests.hf_models import build as build_model
     from tests.hf_models import example_ids
-    from worker import gemm_sites
+    from worker import gemm_families
     from worker.importers import import_model
     from worker.pipeline import compile_module
 
@@ -131,7 +131,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
                 model, example_inputs=(ids,), out=tmp / "model.json", dtype=dtype
             )
         if arch != "sm_90":  # the sm_80-class GEMMs are opt-in until this check has passed
-            os.environ[gemm_sites.SM80_ENV] = "1"
+            os.environ[gemm_families.SM80_ENV] = "1"
         res = compile_module(
             module_json.read_bytes(),
             target=Target(arch=arch),

@@ -515,7 +515,7 @@ class GemmPartition:
 def _not_offered(arch: str, options: CompileOptions) -> str | None:
     if not options.offload_gemm:
         return "options.offload_gemm is false"
-    from worker.gemm_sites import family_for
+    from worker.gemm_families import family_for
 
     if family_for(arch) is None:
         return (

@@ -1,26 +1,22 @@
-"""A GEMM site's TVM-FFI glue, and which configuration family serves an arch.
+"""A GEMM site's TVM-FFI glue, shared by both configuration families.
 
 Both families (:mod:`worker.gemm_sm90`, CUTLASS 3 Hopper; :mod:`worker.gemm_sm80`, CUTLASS 2.x
 for sm_80/86/89) compile *configurations* that export the same ``LaunchFn``
 (``kernels/gemm_api.h``); each site gets a few lines of glue (``kernels/gemm_tvm.cuh``) with its
-operand checks, linked with the configuration it calls. This module renders that glue and
-dispatches a site to the family of its arch. Numbers and enum tokens only reach the source.
+operand checks, linked with the configuration it calls. This module renders that glue
+(:mod:`worker.gemm_families` picks the family of an arch). Numbers and enum tokens only reach
+the source.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
-from types import ModuleType
 
 from worker.gemm import GemmSpec
 from worker.kernel_source import KernelSource
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
-#: the sm_80-class family is built and unit-tested but its numerics have not been checked on a
-#: GPU yet: it serves sm_80/86/89 only when this variable is 1 (else those GEMMs stay in TVM)
-SM80_ENV = "STACKFUSE_EXPERIMENTAL_GEMM_SM80"
 
 _DL_CODE = {"float16": 2, "bfloat16": 4}  # kDLFloat, kDLBfloat
 _MAX_OPERANDS = 8
@@ -120,33 +116,3 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
         config={**library.config, "configuration": library.symbol},
         needs=(library,),
     )
-
-
-# --------------------------------------------------------------------------------------------
-# families
-# --------------------------------------------------------------------------------------------
-def family_for(arch: str) -> ModuleType | None:
-    """The configuration family that builds GEMMs for ``arch`` (None: every matmul stays in
-    TVM there)."""
-    from worker import gemm_sm80, gemm_sm90
-
-    base = arch.rstrip("a")
-    if base == "sm_90":
-        return gemm_sm90
-    if base in gemm_sm80.ARCHS and os.environ.get(SM80_ENV) == "1":
-        return gemm_sm80
-    return None
-
-
-def families() -> tuple[str, ...]:
-    from worker import gemm_sm80, gemm_sm90
-
-    return (gemm_sm90.FAMILY, gemm_sm80.FAMILY)
-
-
-def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
-    """(glue KernelSource, reason) for one GEMM site on ``arch``."""
-    fam = family_for(arch)
-    if fam is None:
-        raise ValueError(f"no CUTLASS GEMM family builds for {arch}")
-    return fam.select_kernel(spec, arch)

@@ -139,8 +139,8 @@ def compile_module(
             mod = load_module(payload, fmt, settings)
         from worker import (
             build,
+            gemm_families,
             gemm_partition,
-            gemm_sites,
             lift,
             normalize,
             nvcc,
@@ -207,7 +207,7 @@ def compile_module(
             }
             chosen.update(
                 {
-                    ff.gvar.name_hint: gemm_sites.select_kernel(ff.spec, target.arch)
+                    ff.gvar.name_hint: gemm_families.select_kernel(ff.spec, target.arch)
                     for ff in gemms.functions
                 }
             )
@@ -241,7 +241,11 @@ def compile_module(
             )
         fill_verdicts(report, attention_sites)
         report.summary.gemm_configurations = len(
-            {ks.needs[0].symbol for ks, _ in chosen.values() if ks.family in gemm_sites.families()}
+            {
+                ks.needs[0].symbol
+                for ks, _ in chosen.values()
+                if ks.family in gemm_families.families()
+            }
         )
 
         say("build")

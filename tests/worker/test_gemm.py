@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from service.spec import CompileOptions
-from worker import gemm_partition, gemm_selection, gemm_sites, gemm_sm80, gemm_sm90, lift, normalize
+from worker import (
+    gemm_families,
+    gemm_partition,
+    gemm_selection,
+    gemm_sm80,
+    gemm_sm90,
+    lift,
+    normalize,
+)
 from worker.gemm import weight_spec
 from worker.toolchain import import_tvm
 
@@ -200,12 +208,12 @@ def test_ampere_class_archs_offload_to_the_cutlass_2_family(
 ) -> None:
     res = _gemms(linear_module(act="gelu"), arch)
     assert not res.entries[0].offloaded  # experimental: off unless asked for
-    monkeypatch.setenv(gemm_sites.SM80_ENV, "1")
+    monkeypatch.setenv(gemm_families.SM80_ENV, "1")
     res = _gemms(linear_module(act="gelu"), arch)
     (entry,) = res.entries
     assert entry.offloaded, entry.reason
     (ff,) = res.functions
-    ks, reason = gemm_sites.select_kernel(ff.spec, arch)
+    ks, reason = gemm_families.select_kernel(ff.spec, arch)
     assert ks.family == gemm_sm80.FAMILY
     assert f"CUTLASS 2 tensor-op GEMM for {arch}" in reason and "bias + gelu" in reason
     (cfg,) = ks.needs
@@ -213,7 +221,7 @@ def test_ampere_class_archs_offload_to_the_cutlass_2_family(
     assert cfg.flags[0] == gemm_sm80.GENCODE
     assert "GELU>" not in cfg.source and "cutlass::epilogue::thread::GELU, false>" in cfg.source
     # the glue is the Hopper family's, calling another configuration
-    hopper, _ = gemm_sites.select_kernel(ff.spec, "sm_90")
+    hopper, _ = gemm_families.select_kernel(ff.spec, "sm_90")
     assert hopper.family == gemm_sm90.FAMILY and hopper.symbol != ks.symbol
     assert hopper.needs[0].symbol != cfg.symbol
 
@@ -477,9 +485,9 @@ def test_one_ampere_gemm_configuration_and_its_glue_compile(
 ) -> None:
     from worker.nvcc import compile_object
 
-    monkeypatch.setenv(gemm_sites.SM80_ENV, "1")
+    monkeypatch.setenv(gemm_families.SM80_ENV, "1")
     spec = weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True, residual=True)
-    ks, _ = gemm_sites.select_kernel(spec, "sm_80")
+    ks, _ = gemm_families.select_kernel(spec, "sm_80")
     ck = compile_object(ks)
     (cfg_obj,) = ck.needs
     assert cfg_obj.stat().st_size > 100_000
