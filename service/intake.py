@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from service import jobs
 from service.errors import (
     InfrastructureError,
+    InputError,
     InvalidRequest,
     LimitExceeded,
     MalformedJSON,
@@ -100,17 +101,24 @@ def decode(
     del module  # the bytes are what is checked, hashed and stored
     if request.format == "tvm-json":
         # the structural check of the TVM JSON graph, without TVM (InputError: 413/422)
-        check_module_json(module_bytes, settings)
+        try:
+            check_module_json(module_bytes, settings)
+        except MalformedJSON as exc:  # the body parsed; what is not JSON is the module in it
+            raise InputError(
+                f"'module' is not TVM JSON (tvm.ir.save_json of a Relax module): {exc.message}; "
+                'for TVMScript text send "format": "tvmscript"'
+            ) from None
     else:
         check_script(module_bytes, settings)
     return jobs.prepare(request, module_bytes, toolchain), module_bytes
 
 
 def _request(data: dict[str, object], module: object) -> OptimizeRequest:
-    """The request, validated with ``""`` standing in for a module string (the schema would
-    copy it); anything else in its place is left for the schema to name."""
+    """The request, validated with the module string's first character standing in for it (the
+    schema would copy it; one character keeps its length check); anything else in its place is
+    left for the schema to name."""
     if module is not _MISSING:
-        data["module"] = "" if isinstance(module, str) else module
+        data["module"] = module[:1] if isinstance(module, str) else module
     try:
         return OptimizeRequest.model_validate(data)
     except ValidationError as exc:

@@ -54,11 +54,13 @@ def test_the_model_table_shows_milliseconds_ratios_and_the_breakdown() -> None:
         ],
     }
     md = models_gpu.to_markdown(doc)
-    row = next(line for line in md.splitlines() if line.startswith("| gpt2_small_b8_s1024 | 12/12"))
+    row = next(
+        line for line in md.splitlines() if line.startswith("| gpt2_small_b8_s1024 | sm_90 | 12/12")
+    )
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2:4] == ["48/48", "3"]
-    assert cells[7:11] == ["6.70", "4.80", "-", "4.00"]
-    assert cells[11:14] == ["1.68x", "1.20x", "-"]
+    assert cells[3:5] == ["48/48", "3"]
+    assert cells[8:12] == ["6.70", "4.80", "-", "4.00"]
+    assert cells[12:15] == ["1.68x", "1.20x", "-"]
     assert "| gpt2_small_b8_s1024 | - | - | - | 2.50 / 0.50 / 1.00 = 4.00 |" in md
     assert "- llama_b1_s2048 (torch_compile_max_autotune_error): skipped: time" in md
 
