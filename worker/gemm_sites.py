@@ -11,9 +11,10 @@ the source.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from worker.gemm import GemmSpec
+from worker.gemm import ACTIVATIONS, GemmSpec, weight_spec
 from worker.kernel_source import KernelSource
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
@@ -116,3 +117,49 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
         config={**library.config, "configuration": library.symbol},
         needs=(library,),
     )
+
+
+#: the epilogue of a gated unit: ``silu(C) * acc``, C the gate (an EPILOGUE_VARIANTS activation)
+SILU_GATE = "silu_gate"
+
+#: (activation, reads C) of every configuration a pattern can need, in either family: each
+#: activation without C, C (the residual) without an activation, and the gated unit
+EPILOGUE_VARIANTS: tuple[tuple[str, bool], ...] = (
+    *((act, False) for act in ACTIVATIONS),
+    ("none", True),
+    (SILU_GATE, True),
+)
+
+
+def variant_spec(dtype: str, b_kmajor: bool, activation: str, residual: bool) -> GemmSpec:
+    """A stand-in site for one configuration: a configuration is the same for every M, N and K,
+    so any shape serves. ``activation`` may be :data:`SILU_GATE` (with ``residual`` true: the
+    gate is the C it reads)."""
+    gate = activation == SILU_GATE
+    return weight_spec(
+        dtype=dtype,  # type: ignore[arg-type]
+        m=4096,
+        n=1024,
+        k=1024,
+        b_kmajor=b_kmajor,
+        activation="none" if gate else activation,  # type: ignore[arg-type]
+        residual=residual and not gate,
+        gate=gate,
+    )
+
+
+def variant_configs(
+    tiles: Iterable[str],
+    dtypes: Iterable[str],
+    render: Callable[[str, str, bool, str, bool], KernelSource],
+) -> list[KernelSource]:
+    """``render(dtype, tile, b_kmajor, activation, residual)`` of every tile, dtype, weight
+    layout and EPILOGUE_VARIANTS entry, one per configuration symbol."""
+    out: dict[str, KernelSource] = {}
+    for name in tiles:
+        for dtype in dtypes:
+            for kmajor in (True, False):
+                for act, residual in EPILOGUE_VARIANTS:
+                    ks = render(dtype, name, kmajor, act, residual)
+                    out.setdefault(ks.symbol, ks)
+    return list(out.values())

@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass
 
 from worker import gemm_sites
-from worker.gemm import ACTIVATIONS, GemmSpec, weight_spec
+from worker.gemm import ACTIVATIONS, GemmSpec
 from worker.kernel_source import KernelSource
 
 FAMILY = "cutlass_gemm_sm80"
@@ -178,37 +178,16 @@ def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
 def render_configuration(
     dtype: str, tile: str, b_kmajor: bool, activation: str, residual: bool
 ) -> KernelSource:
-    """:func:`render_config` without a site (any shape stands in); ``activation`` may be
-    ``gemm_sm90.SILU_GATE``."""
-    from worker.gemm_sm90 import SILU_GATE
-
-    gate = activation == SILU_GATE
-    spec = weight_spec(
-        dtype=dtype,  # type: ignore[arg-type]
-        m=4096,
-        n=1024,
-        k=1024,
-        b_kmajor=b_kmajor,
-        activation="none" if gate else activation,  # type: ignore[arg-type]
-        residual=residual and not gate,
-        gate=gate,
+    """:func:`render_config` without a site: see :func:`worker.gemm_sites.variant_spec`."""
+    return render_config(
+        gemm_sites.variant_spec(dtype, b_kmajor, activation, residual), TILES[tile]
     )
-    return render_config(spec, TILES[tile])
 
 
 def selected_configs(dtypes: tuple[str, ...] = ("float16", "bfloat16")) -> list[KernelSource]:
     """Every configuration :func:`select` can pick: each tile, both weight layouts, each
-    epilogue variant. What ``stackfuse prebuild --arch sm_80`` compiles."""
-    from worker.gemm_sm90 import EPILOGUE_VARIANTS
-
-    out: dict[str, KernelSource] = {}
-    for name in TILES:
-        for dtype in dtypes:
-            for kmajor in (True, False):
-                for act, residual in EPILOGUE_VARIANTS:
-                    ks = render_configuration(dtype, name, kmajor, act, residual)
-                    out.setdefault(ks.symbol, ks)
-    return list(out.values())
+    epilogue variant (``stackfuse prebuild`` does not compile these yet)."""
+    return gemm_sites.variant_configs(list(TILES), dtypes, render_configuration)
 
 
 assert set(_ACT) == set(ACTIVATIONS)

@@ -18,7 +18,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from worker import gemm_sites
-from worker.gemm import ACTIVATIONS, GemmSpec, weight_spec
+from worker.gemm import GemmSpec
+from worker.gemm_sites import (  # noqa: F401 (EPILOGUE_VARIANTS, SILU_GATE: re-exported)
+    EPILOGUE_VARIANTS,
+    SILU_GATE,
+    variant_configs,
+    variant_spec,
+)
 from worker.kernel_source import KernelSource
 
 FAMILY = "cutlass_gemm_sm90"
@@ -201,36 +207,12 @@ def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
     return ks, reason
 
 
-#: the epilogue of a gated unit: ``silu(C) * acc``, C the gate (an EPILOGUE_VARIANTS activation)
-SILU_GATE = "silu_gate"
-
-#: (activation, reads C) of every configuration a pattern can need: each activation without C,
-#: C (the residual) without an activation, and the gated unit
-EPILOGUE_VARIANTS: tuple[tuple[str, bool], ...] = (
-    *((act, False) for act in ACTIVATIONS),
-    ("none", True),
-    (SILU_GATE, True),
-)
-
-
 def render_configuration(
     dtype: str, tile: str, b_kmajor: bool, activation: str, residual: bool
 ) -> KernelSource:
-    """:func:`render_config` without a site: the configuration is the same for every M, N and K,
-    so any shape stands in (prebuild and the GEMM benchmark). ``activation`` may be
-    :data:`SILU_GATE` (with ``residual`` true: the gate is the C it reads)."""
-    gate = activation == SILU_GATE
-    spec = weight_spec(
-        dtype=dtype,  # type: ignore[arg-type]
-        m=4096,
-        n=1024,
-        k=1024,
-        b_kmajor=b_kmajor,
-        activation="none" if gate else activation,  # type: ignore[arg-type]
-        residual=residual and not gate,
-        gate=gate,
-    )
-    return render_config(spec, TILES[tile])
+    """:func:`render_config` without a site (prebuild and the GEMM benchmark): see
+    :func:`worker.gemm_sites.variant_spec`."""
+    return render_config(variant_spec(dtype, b_kmajor, activation, residual), TILES[tile])
 
 
 def selected_configs(dtypes: tuple[str, ...] = ("float16", "bfloat16")) -> list[KernelSource]:
@@ -239,11 +221,5 @@ def selected_configs(dtypes: tuple[str, ...] = ("float16", "bfloat16")) -> list[
     beside the attention configurations."""
     from worker.gemm_selection import SELECTION
 
-    out: dict[str, KernelSource] = {}
-    for name in sorted({tile for tile, _ in SELECTION.values()}):
-        for dtype in dtypes:
-            for kmajor in (True, False):
-                for act, residual in EPILOGUE_VARIANTS:
-                    ks = render_configuration(dtype, name, kmajor, act, residual)
-                    out.setdefault(ks.symbol, ks)
-    return list(out.values())
+    tiles = sorted({tile for tile, _ in SELECTION.values()})
+    return variant_configs(tiles, dtypes, render_configuration)
