@@ -121,12 +121,20 @@ def test_cache_hit_finishes_at_once_without_recompiling(
 def test_invalid_module_fails_once_with_a_clear_error(
     client: httpx.Client, workers: WorkerPool
 ) -> None:
-    # TVMScript is checked by the worker's ingest, not the API: accepted, then refused there
-    job = submit(client, "@I.ir_module\nclass Module(:\n", format="tvmscript")
+    # the API checks TVMScript's syntax and constructs; what only TVM's parser can judge (the
+    # matmul's shapes) is accepted there and refused by the worker's ingest
+    script = (
+        "from tvm.script import ir as I\nfrom tvm.script import relax as R\n\n"
+        "@I.ir_module\nclass Module:\n    @R.function\n"
+        '    def main(x: R.Tensor((2, 3), "float32")) -> R.Tensor((2, 3), "float32"):\n'
+        "        y = R.matmul(x, x)\n        return y\n"
+    )
+    job = submit(client, script, format="tvmscript")
     done = wait_job(client, str(job["id"]))
     assert done["status"] == "failed" and done["attempts"] == 1
     assert done["error"]["type"] == "invalid-module"  # type: ignore[index]
-    assert "not valid Python" in done["error"]["message"]  # type: ignore[index]
+    assert "TVM could not parse the TVMScript" in done["error"]["message"]  # type: ignore[index]
+    assert "reduction length" in done["error"]["message"]  # type: ignore[index]
     time.sleep(3)  # longer than a retry interval: it must not come back
     later = client.get(f"/jobs/{job['id']}").json()
     assert later["status"] == "failed" and later["attempts"] == 1

@@ -490,4 +490,20 @@ def test_one_ampere_gemm_configuration_and_its_glue_compile(
     ks, _ = gemm_families.select_kernel(spec, "sm_80")
     ck = compile_object(ks)
     (cfg_obj,) = ck.needs
-    assert cfg_obj.stat().st_size > 100_000
+    # the configuration carries the CUTLASS kernel's device code (sm_80 SASS and its PTX)
+    assert _fatbin_bytes(cfg_obj) > 20_000
+    assert _fatbin_bytes(cfg_obj) > 10 * _fatbin_bytes(ck.object_path)
+
+
+def _fatbin_bytes(obj: Any) -> int:
+    """The size of an object's embedded device code (its ``.nv_fatbin`` section; 0: none)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["readelf", "-S", "-W", str(obj)], capture_output=True, text=True, check=True
+    ).stdout
+    for line in out.splitlines():
+        parts = line.replace("[ ", "[").split()
+        if ".nv_fatbin" in parts:
+            return int(parts[parts.index(".nv_fatbin") + 4], 16)
+    return 0
