@@ -23,6 +23,7 @@ no links that lead out); anything else is refused before a byte of it is read.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import re
@@ -628,6 +629,11 @@ def _np(t: Any) -> np.ndarray:
     return t.contiguous().numpy()
 
 
+def _tensors(model: Any) -> Any:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
 def import_torch(
     model: Any,
     example_args: Sequence[Any],
@@ -637,7 +643,8 @@ def import_torch(
 ) -> Imported:
     """Export ``model`` with ``torch.export`` on the example inputs and convert it to Relax.
 
-    ``dtype`` ("float16", "float32") casts floating weights and inputs first. Shapes are static:
+    ``dtype`` ("float16", "float32") casts floating weights and inputs first, on a copy: the
+    caller's model keeps its dtype and its train/eval mode. Shapes are static:
     the library is built for the example shapes.
     """
     import torch
@@ -645,15 +652,21 @@ def import_torch(
     tvm = import_tvm()
     from tvm.relax.frontend.torch import from_exported_program
 
-    model = model.eval()
     args = tuple(example_args)
     if dtype is not None:
         tdt = getattr(torch, dtype)
-        model = model.to(tdt)
+        if any(t.is_floating_point() and t.dtype != tdt for t in _tensors(model)):
+            # Module.to converts in place: the caller's model keeps its own dtype
+            model = copy.deepcopy(model).to(tdt)
         args = tuple(a.to(tdt) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-    with torch.no_grad():
-        ep = torch.export.export(model, args, kwargs=example_kwargs or {}, strict=False)
-        ep = ep.run_decompositions(_keep_sdpa_table())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(model, args, kwargs=example_kwargs or {}, strict=False)
+            ep = ep.run_decompositions(_keep_sdpa_table())
+    finally:
+        model.train(was_training)
     mod = from_exported_program(
         ep,
         keep_params_as_input=True,

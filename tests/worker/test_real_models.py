@@ -131,6 +131,23 @@ def test_import_model_writes_json_weights_and_manifest(tmp_path: Path) -> None:
     assert len(mod["main"].params) == 1 + len(weights)
 
 
+def test_import_model_leaves_the_callers_model_as_it_was(tmp_path: Path) -> None:
+    import torch
+
+    model = build("gpt2").train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    import_model(
+        model,
+        example_inputs=(example_ids("gpt2", 1, 8),),
+        out=tmp_path / "gpt2.json",
+        dtype="float16",
+    )
+    after = model.state_dict()
+    assert model.training
+    assert {v.dtype for v in after.values() if v.is_floating_point()} == {torch.float32}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 # --- ONNX external data ------------------------------------------------------------------------
 def _onnx_with_external(tmp_path: Path, location: str) -> Path:
     import onnx
