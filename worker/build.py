@@ -31,6 +31,7 @@ import_tvm()
 import tvm  # noqa: E402
 import tvm_ffi  # noqa: E402
 from tvm import ir, relax  # noqa: E402
+from tvm.s_tir import dlight as dl  # noqa: E402
 
 #: symbol -> object path, consulted by our relax.ext.cutlass during one build
 _OBJECTS: dict[str, Path] = {}
@@ -218,6 +219,60 @@ def _linker(chain: Toolchain, settings: Settings) -> Callable[..., None]:
     return link
 
 
+#: dlight rules that schedule TVM's own kernels, first match wins: TVM's CUDA default
+#: (``tvm.relax.backend.cuda.pipeline.legalize_passes``), and ours, which tries the RMSNorm rule
+#: first (one block per row, vectorized 8-wide; GeneralReduction, the default's match for an
+#: RMSNorm, is slower: benchmarks/results/norm_bench.md)
+TVM_DEFAULT_RULES = ("Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback")
+#: the longest row dlight's RMSNorm schedule compiles (512 threads x 8 elements)
+RMSNORM_MAX_ROW = 4096
+SCHEDULE_RULES = ("RMSNorm", *TVM_DEFAULT_RULES)
+
+
+class GuardedRMSNorm(dl.gpu.RMSNorm):
+    """dlight's RMSNorm rule raises on layouts it does not expect (a 2-D input) instead of
+    declining, and its schedule of a row longer than 512 threads x 8 does not compile
+    (float16x16 vectors): those it declines here, and the next rule schedules them."""
+
+    def apply(self, func: Any, target: Any, tunable: bool) -> Any:
+        shape = getattr(func.params[0], "shape", None) if func.params else None
+        if not shape:
+            return None
+        row = shape[-1]
+        if not isinstance(row, tvm.tirx.IntImm) or int(row) > RMSNORM_MAX_ROW:
+            return None
+        try:
+            return super().apply(func, target, tunable)
+        except Exception:  # any failure of the rule is a decline
+            return None
+
+
+def relax_pipeline(target: Any, rules: Sequence[str] = SCHEDULE_RULES) -> Any:
+    """TVM's CUDA pipeline with ``rules`` in place of its dlight schedule."""
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    def rule(name: str) -> Any:
+        return GuardedRMSNorm() if name == "RMSNorm" else getattr(dl.gpu, name)()
+
+    legalize = cuda.legalize_passes(target)
+    if not isinstance(legalize[-1], dl.ApplyDefaultSchedule):
+        raise AssertionError("TVM's CUDA legalize passes no longer end in the dlight schedule")
+    passes = [
+        *cuda.library_dispatch_passes(target),
+        *legalize[:-1],
+        dl.ApplyDefaultSchedule(*(rule(r) for r in rules)),
+        *cuda.dataflow_lower_passes(target),
+        *cuda.finalize_passes(target),
+    ]
+
+    @tvm.transform.module_pass(opt_level=0)
+    def _pipeline(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
 def build_library(
     mod: tvm.IRModule,
     objects: dict[str, Path],
@@ -227,10 +282,12 @@ def build_library(
     out_path: Path,
     settings: Settings | None = None,
     on_stage: Callable[[str], None] | None = None,
+    schedule_rules: Sequence[str] = SCHEDULE_RULES,
 ) -> Path:
     """Compile ``mod`` (fused functions already named by kernel symbol) into ``out_path``;
     ``objects`` maps kernel symbols to their objects, ``needs`` lists the objects those call
-    into (each linked once, however many kernels share it)."""
+    into (each linked once, however many kernels share it); ``schedule_rules`` name the dlight
+    rules that schedule TVM's own kernels."""
     settings = settings or get_settings()
     chain = find_toolchain(settings)
     target = tvm.target.Target({"kind": "cuda", "arch": arch}, host="llvm")
@@ -242,7 +299,9 @@ def build_library(
     try:
         mod = expand_kv_heads(relax.transform.RunCodegen()(mod))
         with target:
-            executable = tvm.compile(mod, target=target)
+            executable = tvm.compile(
+                mod, target=target, relax_pipeline=relax_pipeline(target, schedule_rules)
+            )
         if on_stage:
             on_stage("link")
         out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -264,3 +264,37 @@ def test_builds_repeat_byte_for_byte(kernel_settings: Settings, tmp_path: Path) 
         libs[0].report.library
         and libs[0].report.library.sha256 == hashlib.sha256(data[0]).hexdigest()
     )
+
+
+@pytest.mark.parametrize(
+    ("shape", "scheduled"),
+    [((1, 64, 2048), True), ((4, 16, 4096), True), ((1, 64, 5120), False), ((64, 2048), False)],
+)
+def test_rms_norm_takes_the_rmsnorm_rule_where_its_schedule_compiles(
+    shape: tuple[int, ...], scheduled: bool, tmp_path: Path
+) -> None:
+    from tvm import relax
+    from tvm.script import relax as R
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import relax as rb
+
+    from worker import build as tvm_build
+
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        x = R.arg("x", R.Tensor(shape, "float16"))
+        w = R.arg("w", R.Tensor((shape[-1],), "float16"))
+        with R.dataflow() as frame:
+            y = R.emit(R.nn.rms_norm(x, w, axes=[-1], epsilon=1e-6))
+            R.output(y)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    legal = relax.transform.LegalizeOps()(mod)
+    (func,) = [f for gv, f in legal.functions.items() if gv.name_hint == "rms_norm"]
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    with target:
+        sch = tvm_build.GuardedRMSNorm().apply(func, target, False)
+    assert (sch is not None) == scheduled
+    # either way the library builds: a declined kernel goes to the next rule
+    out = tvm_build.build_library(mod, {}, arch="sm_90", out_path=tmp_path / "norm.so")
+    assert out.stat().st_size > 0
