@@ -125,7 +125,7 @@ def build(
                 for kmajor in (True, False)
             }
         )
-    if acts == ["as-used"]:  # the configurations the models' libraries link, nothing else
+    if acts == ["as-used"]:  # each model GEMM's own epilogue and layout, nothing else
         combos = []
         for name, m, n, k in MODEL_SHAPES:
             if name not in AS_USED:  # a shape of the sweep no library runs as such
@@ -134,7 +134,9 @@ def build(
             act, _, has_c = EPILOGUES[epi]
             for dtype in dtypes:
                 kmajor = layout == "k_major"
-                combos.append((dtype, kmajor, act, has_c, _selected_tile(dtype, m, n, k, kmajor)))
+                # the tile the selector picks (what the libraries link), or every tile given
+                for tile in tiles or [_selected_tile(dtype, m, n, k, kmajor)]:
+                    combos.append((dtype, kmajor, act, has_c, tile))
     else:
         combos = [
             (dtype, kmajor, act, has_c, name)
@@ -349,6 +351,8 @@ def run(
     for name, m, n, k in SHAPES[shapes]:
         for dtype_name in sorted({c["dtype"] for c in configs}):
             dt = getattr(torch, dtype_name)
+            # float32 configurations are TF32: cuBLAS's peer is its TF32 path
+            torch.backends.cuda.matmul.allow_tf32 = dtype_name == "float32"
             a = (torch.randn(m, k, device="cuda") * 0.5).to(dt)
             w_nk = (torch.randn(n, k, device="cuda") / k**0.5).to(dt)
             w_kn = w_nk.t().contiguous()
@@ -549,7 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--dtypes", nargs="+", default=["float16"])
     b.add_argument(
-        "--tiles", nargs="+", default=None, help="tile names, or 'selected': the selector's"
+        "--tiles",
+        nargs="+",
+        default=None,
+        help="tile names, or 'selected': the selector's (with --acts as-used: each tile at "
+        "each model GEMM's own epilogue)",
     )
     b.add_argument(
         "--source-c",

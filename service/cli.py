@@ -511,15 +511,23 @@ def _cmd_compile(args: argparse.Namespace, settings: Settings) -> int:
 def _register_prebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "prebuild",
-        help="compile the Hopper attention and GEMM configurations the selectors pick into the "
+        help="compile the attention and GEMM configurations the selectors pick into the "
         "kernel cache",
         description="Each configuration (attention: dtype, variant, head-dim tile, mask; GEMM: "
         "dtype, tile, weight layout, epilogue) is one CUTLASS compile of ~45-95 s and ~4 GB on "
         "2 cores, shared by every model and shape that uses it. "
         "Run this once against the workers' kernel cache (STACKFUSE_KERNEL_CACHE_DIR) so that "
-        "jobs compile only their glue (seconds).",
+        "jobs compile only their glue (seconds). sm_90: the Hopper attention and GEMM "
+        "configurations (float32: the TF32 GEMMs only); sm_80/86/89: the CUTLASS 2.x GEMMs "
+        "(their attention kernel is compiled per shape, with the job).",
     )
-    p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"])
+    p.add_argument("--arch", default="sm_90", help=ARCH_HELP)
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float16", "bfloat16"],
+        help="float16, bfloat16, float32 (sm_90: TF32 GEMMs, for jobs with allow_tf32)",
+    )
     p.add_argument("--only", default=None, help="regex on the configuration's C++ type")
     p.add_argument("--jobs", type=int, default=1, help="parallel nvcc runs (~4 GB each)")
     p.add_argument(
@@ -532,15 +540,27 @@ def _cmd_prebuild(args: argparse.Namespace, settings: Settings) -> int:
     import re
     from concurrent.futures import ThreadPoolExecutor
 
-    from worker import gemm_sm90, hopper, nvcc
+    from worker import gemm_sm80, gemm_sm90, hopper, nvcc
     from worker.kernel_source import KernelSource
 
+    arch = args.arch.rstrip("a")
+    if arch != "sm_90" and arch not in gemm_sm80.ARCHS:
+        return _fail(f"--arch {args.arch}: {ARCH_HELP}", EXIT_INPUT)
+    allowed = ("float16", "bfloat16", "float32") if arch == "sm_90" else ("float16", "bfloat16")
     for d in args.dtype:
-        if d not in ("float16", "bfloat16"):
-            return _fail(f"--dtype {d}: the Hopper kernel takes float16 and bfloat16", EXIT_INPUT)
+        if d not in allowed:
+            return _fail(
+                f"--dtype {d}: the {arch} kernels take {', '.join(allowed[:-1])} and {allowed[-1]}",
+                EXIT_INPUT,
+            )
     dtypes = tuple(args.dtype)
-    units = [hopper.render_config(spec, v) for v, spec in hopper.selected_configs(dtypes)]
-    units += gemm_sm90.selected_configs(dtypes)
+    units: list[KernelSource] = []
+    if arch == "sm_90":
+        half = tuple(d for d in dtypes if d != "float32")
+        units += [hopper.render_config(spec, v) for v, spec in hopper.selected_configs(half)]
+        units += gemm_sm90.selected_configs(dtypes)
+    else:
+        units += gemm_sm80.selected_configs(dtypes)
     if args.only:
         try:
             units = [u for u in units if re.search(args.only, str(u.config["type"]))]

@@ -42,7 +42,12 @@ class CompileOptions(BaseModel):
     offload_gemm: bool = Field(
         default=True,
         description="Offload float16/bfloat16 matmuls (with bias, activation and residual "
-        "epilogues) to CUTLASS GEMMs (sm_90).",
+        "epilogues) to CUTLASS GEMMs (sm_90: CUTLASS 3.x Hopper GEMMs; sm_80/86/89: CUTLASS 2.x).",
+    )
+    allow_tf32: bool = Field(
+        default=False,
+        description="Offload float32 matmuls as TF32 GEMMs (10-bit mantissa inputs, float32 "
+        "accumulation: ~1e-3 relative error; sm_90). Off: float32 matmuls stay in TVM.",
     )
     lift_params: bool = Field(
         default=True,

@@ -8,7 +8,8 @@ The computation is ``out = act(A @ B + bias)``, ``out = A @ B + bias + residual`
 unit (SwiGLU), ``out = silu(gate) * (A @ B)``, with A
 ``[..., M, K]`` (leading dims folded into M when B is a 2-D weight), B ``[K, N]`` as stored or
 ``[N, K]`` read transposed (a ``permute_dims`` folded into the layout, never copied), bias
-``[N]``, and the residual or gate shaped like the output. Accumulation is float32.
+``[N]``, and the residual or gate shaped like the output. Accumulation is float32; float32
+operands multiply as TF32 (only when the client sets ``allow_tf32``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-GemmDType = Literal["float16", "bfloat16"]
+GemmDType = Literal["float16", "bfloat16", "float32"]
 Activation = Literal["none", "relu", "gelu", "gelu_tanh", "silu"]
 
 ACTIVATIONS: tuple[Activation, ...] = ("none", "relu", "gelu", "gelu_tanh", "silu")
@@ -29,8 +30,14 @@ ACTIVATION_OPS: dict[str, str] = {
     "gelu_tanh": "relax.nn.gelu_tanh",
     "silu": "relax.nn.silu",
 }
-#: TMA moves 16-byte rows: K and N must be multiples of this many 16-bit elements
-ALIGN_ELEMS = 8
+#: TMA moves 16-byte rows: K and N must be multiples of 16 bytes' worth of elements
+ALIGN_BYTES = 16
+ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def align_elems(dtype: str) -> int:
+    return ALIGN_BYTES // ELEMENT_BYTES[dtype]
+
 
 DYNAMIC = "?"
 

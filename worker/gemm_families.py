@@ -4,16 +4,11 @@ TVM."""
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 from worker import gemm_sm80, gemm_sm90
 from worker.gemm import GemmSpec
 from worker.kernel_source import KernelSource
-
-#: the sm_80-class family is built and unit-tested but its numerics have not been checked on a
-#: GPU yet: it serves sm_80/86/89 only when this variable is 1 (else those GEMMs stay in TVM)
-SM80_ENV = "STACKFUSE_EXPERIMENTAL_GEMM_SM80"
 
 
 def family_for(arch: str) -> ModuleType | None:
@@ -22,7 +17,7 @@ def family_for(arch: str) -> ModuleType | None:
     base = arch.rstrip("a")
     if base == "sm_90":
         return gemm_sm90
-    if base in gemm_sm80.ARCHS and os.environ.get(SM80_ENV) == "1":
+    if base in gemm_sm80.ARCHS:
         return gemm_sm80
     return None
 

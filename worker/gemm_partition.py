@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.spec import CompileOptions
-from worker.gemm import ACTIVATION_OPS, ALIGN_ELEMS, DYNAMIC, GemmSpec
+from worker.gemm import ACTIVATION_OPS, DYNAMIC, GemmSpec, align_elems
 from worker.partition import (
     CODEGEN,
     Failure,
@@ -49,6 +49,23 @@ from tvm.relax.dpl.pattern import DFPattern, is_op, wildcard  # noqa: E402
 GEMM_PREFIX = "stackfuse.gemm."
 PATTERN_PREFIX = f"{CODEGEN}.gemm"
 GEMM_DTYPES = ("float16", "bfloat16")
+#: why a float32 matmul stays in TVM unless the client opts in to TF32
+TF32_OFF = (
+    "the matmul is float32: set options.allow_tf32 to run it on tensor cores as TF32 (10-bit "
+    "mantissa, ~1e-3 relative error; sm_90), else it stays in TVM at full float32 precision"
+)
+
+
+def tf32_refusal(options: CompileOptions, arch: str) -> str | None:
+    """Why float32 matmuls stay in TVM for this job, or None (they run as TF32)."""
+    if not options.allow_tf32:
+        return TF32_OFF
+    if arch.rstrip("a") != "sm_90":
+        return (
+            f"the matmul is float32 and options.allow_tf32 is set, but TF32 GEMMs are built for "
+            f"sm_90 only (target {arch}): it stays in TVM"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -222,21 +239,36 @@ def analyze(
     ann: dict[str, Any],
     operand_index: Callable[[Any], int],
     params: list[Any] | None = None,
+    float32: str | None = TF32_OFF,
 ) -> GemmAnalysis:
     """Check one candidate; on success ``spec`` is set (operand indices from
-    ``operand_index``, which maps a kernel input to its argument position)."""
+    ``operand_index``, which maps a kernel input to its argument position). ``float32`` is why
+    a float32 matmul stays in TVM, or None to run it as TF32."""
     an = GemmAnalysis(pdef)
     a, w, mm, root = ann["a"], ann["weight"], ann["matmul"], ann["root"]
     a_shape, w_shape, out_shape = shape_of(a), shape_of(w), shape_of(root)
     an.shapes = {"a": _labels(a_shape), "b": _labels(w_shape), "out": _labels(out_shape)}
     dtype = dtype_of(a)
-    if dtype not in GEMM_DTYPES or dtype_of(w) != dtype:
+    if dtype == "float32" and dtype_of(w) == dtype and float32 is not None:
+        an.fail("dtype", "float16 or bfloat16 on both operands", "float32 x float32", float32)
+        return an
+    if dtype == "float32" and not pdef.transposed:
+        an.fail(
+            "tf32_layout",
+            "a float32 weight read transposed ([N, K], as torch.nn.Linear stores it)",
+            "[K, N] as stored",
+            "the float32 weight is stored [K, N]: CUTLASS's TF32 kernel for that layout (A from "
+            "registers) gave wrong results on the H200 (benchmarks/results/gemm_bench_tf32.md), "
+            "so this matmul stays in TVM; TF32 runs weights stored [N, K]",
+        )
+        return an
+    if dtype not in (*GEMM_DTYPES, "float32") or dtype_of(w) != dtype:
         an.fail(
             "dtype",
             "float16 or bfloat16 on both operands",
             f"{dtype} x {dtype_of(w)}",
             f"the matmul multiplies {dtype} by {dtype_of(w)}; the CUTLASS GEMMs take float16 "
-            "or bfloat16 (float32 stays in TVM: TF32 would change the numerics)",
+            "or bfloat16 (and float32 as TF32 with options.allow_tf32)",
         )
         return an
     out_dtype = dtype_of(root)
@@ -295,13 +327,14 @@ def analyze(
             "the weight's extents must be static (a batch or sequence dim may be symbolic)",
         )
         return an
+    align = align_elems(dtype)
     for name, val in (("K", k_dim), ("N", n_dim)):
-        if val % ALIGN_ELEMS:
+        if val % align:
             an.fail(
                 "alignment",
-                f"{name} a multiple of {ALIGN_ELEMS}",
+                f"{name} a multiple of {align}",
                 f"{name} = {val}",
-                f"{name} = {val} is not a multiple of {ALIGN_ELEMS}: the kernel moves "
+                f"{name} = {val} is not a multiple of {align}: the kernel moves "
                 "16-byte rows with TMA",
             )
     batch: int | str = 1
@@ -529,6 +562,7 @@ def partition_gemms(mod: tvm.IRModule, options: CompileOptions, arch: str) -> Ge
     """Offload the matmul sites that pass their checks; every site gets a report entry."""
     mod, sites = tag_sites(mod, _is_matmul, GEMM_PREFIX, "matmul")
     why_not = _not_offered(arch, options)
+    float32 = tf32_refusal(options, arch)
     if why_not is not None or not sites:
         entries = [
             GemmSite(where=s.where, offloaded=False, reason=why_not or "")
@@ -544,7 +578,7 @@ def partition_gemms(mod: tvm.IRModule, options: CompileOptions, arch: str) -> Ge
     def make_check(pdef: GemmPatternDef) -> Callable[[Any], bool]:
         def check(ctx: Any) -> bool:
             ann = {str(k): v for k, v in ctx.annotated_expr.items()}
-            an = analyze(pdef, ann, lambda e: 0)
+            an = analyze(pdef, ann, lambda e: 0, float32=float32)
             leaks = _leaks(ctx)
             if leaks:
                 an.fail(
@@ -638,7 +672,8 @@ def _fused_gemm(gv: ir.GlobalVar, func: Any) -> FusedGemm | None:
                 return i
         raise AssertionError("GEMM operand is not a parameter of the fused function")
 
-    an = analyze(pdef, ann, operand_index, params=params)
+    # it passed its checks when it was partitioned, float32 (TF32) included
+    an = analyze(pdef, ann, operand_index, params=params, float32=None)
     if not an.ok:
         msgs = "; ".join(f.message for f in an.failures)
         raise AssertionError(f"fused function {gv.name_hint} fails its checks: {msgs}")

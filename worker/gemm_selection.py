@@ -1,11 +1,13 @@
 """Which Hopper GEMM tile configuration runs each shape class: data, from H200 measurements.
 
 A shape class is (rows, N, K): rows = M (the folded batch x sequence) in three bands, N narrow
-(<= 1024) or wide, K shallow (<= 1024) or deep. A symbolic M counts as large (serving
-batches). Each entry names the tile (``worker.gemm_sm90.TILES``) and the rows of
-``benchmarks/results/gemm_bench.md`` (``python -m benchmarks.gemm_bench run``, every tile at
-every shape, bias epilogue, both weight layouts) that justify it: the tile with the best
-geometric mean against cuBLAS over the class's rows.
+(<= 1024), mid (<= 2048) or wide, K shallow (<= 1024) or deep. A symbolic M counts as large
+(serving batches). Each entry names the tile (``worker.gemm_sm90.TILES``) and the rows that
+justify it: the tile with the best geometric mean against cuBLAS over the class's rows, from
+``benchmarks/results/gemm_tiles*.md`` (every tile, bias epilogue, both weight layouts) and
+``benchmarks/results/gemm_bench.md`` (each model GEMM with its own epilogue and layout, five
+tiles). One epilogue changes the pick: an erf GELU after a shallow K (``EPILOGUE_PICKS``).
+TF32 (float32) GEMMs take the same tiles at half their K (``gemm_bench_tf32.md``).
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ SELECTION: dict[tuple[str, str, str], tuple[str, str]] = {
     ("small", "narrow", "shallow"): ("coop_128x192_c1x2", "no row; as small/wide/shallow"),
     # every tile is within 0.58-0.62x of cuBLAS's split-K here (32 output tiles on 132 SMs)
     ("small", "narrow", "deep"): ("pingpong_128x128_c1x2", "grid_m512_n1024_k4096"),
+    ("small", "mid", "shallow"): ("coop_128x192_c1x2", "no row; as small/wide/shallow"),
+    ("small", "mid", "deep"): ("coop_256x128_c1x2", "no row; as small/wide/deep"),
     ("small", "wide", "shallow"): ("coop_128x192_c1x2", "grid_m512_n4096_k1024"),
     ("small", "wide", "deep"): ("coop_256x128_c1x2", "grid_m512_n8192_k8192"),
     ("medium", "narrow", "shallow"): ("pingpong_128x192", "bert_proj"),
     ("medium", "narrow", "deep"): ("coop_128x192_c1x2", "bert_fc2"),
-    ("medium", "wide", "shallow"): ("pingpong_128x192", "bert_qkv, bert_fc"),
-    ("medium", "wide", "deep"): (
-        "pingpong_128x128_c1x2",
-        "llama_qkv, llama_o, llama_up, llama_down",
-    ),
+    ("medium", "mid", "shallow"): ("pingpong_128x192", "no row; as medium/wide/shallow"),
+    # N = 2048 is 8 columns of 256: 128 tiles at M = 2048, one wave on 132 SMs
+    ("medium", "mid", "deep"): ("coop_128x256_c1x2", "llama_o, llama_down"),
+    ("medium", "wide", "shallow"): ("pingpong_128x192", "bert_qkv"),
+    ("medium", "wide", "deep"): ("pingpong_128x192", "llama_qkv, llama_gate, llama_up"),
     ("large", "narrow", "shallow"): ("pingpong_128x128_c1x2", "gpt2_proj"),
     ("large", "narrow", "deep"): ("pingpong_128x128_c1x2", "gpt2_fc2, grid_m16384_n1024_k4096"),
+    ("large", "mid", "shallow"): ("pingpong_128x192", "no row; as large/wide/shallow"),
+    ("large", "mid", "deep"): ("coop_128x256_swz8", "no row; as large/wide/deep"),
     ("large", "wide", "shallow"): (
         "pingpong_128x192",
         "gpt2_qkv, gpt2_fc, grid_m16384_n4096_k1024",
@@ -35,17 +41,33 @@ SELECTION: dict[tuple[str, str, str], tuple[str, str]] = {
     ("large", "wide", "deep"): ("coop_128x256_swz8", "grid_m16384_n8192_k8192"),
 }
 
+#: (activation, rows band, K band) -> (tile name, why), consulted before SELECTION. The erf
+#: GELU costs more than a 768-deep mainloop: a ping-pong warp group's epilogue then outlasts its
+#: partner's mainloop, while the cooperative kernel splits each tile's epilogue over both
+#: (bert_fc: 1.12x cuBLAS + GELU on coop_256x128_c1x2, 0.94x on pingpong_128x192)
+EPILOGUE_PICKS: dict[tuple[str, str, str], tuple[str, str]] = {
+    ("gelu", "medium", "shallow"): ("coop_256x128_c1x2", "bert_fc"),
+}
+
 
 def shape_class(spec: GemmSpec) -> tuple[str, str, str]:
     m = spec.m if isinstance(spec.m, int) else 1 << 20
     m *= spec.batch if isinstance(spec.batch, int) else 1
     rows = "small" if m <= 1024 else "medium" if m <= 4096 else "large"
-    return rows, "narrow" if spec.n <= 1024 else "wide", "shallow" if spec.k <= 1024 else "deep"
+    cols = "narrow" if spec.n <= 1024 else "mid" if spec.n <= 2048 else "wide"
+    return rows, cols, "shallow" if spec.k <= 1024 else "deep"
 
 
 def pick(spec: GemmSpec) -> tuple[str, str]:
     """(tile name, the reason the report gives)."""
     rows, cols, depth = shape_class(spec)
+    by_epilogue = EPILOGUE_PICKS.get((spec.activation, rows, depth))
+    if by_epilogue is not None:
+        name, why = by_epilogue
+        return name, (
+            f"the H200-measured pick for a {spec.activation} epilogue after {depth} K, {rows} M "
+            f"(benchmarks/results/gemm_bench.md: {why})"
+        )
     name, why = SELECTION[(rows, cols, depth)]
     return name, (
         f"the H200-measured pick for {rows} M, {cols} N, {depth} K "

@@ -14,12 +14,12 @@ import hashlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from worker.gemm import ACTIVATIONS, GemmSpec, weight_spec
+from worker.gemm import ACTIVATIONS, ELEMENT_BYTES, GemmSpec, weight_spec
 from worker.kernel_source import KernelSource
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 
-_DL_CODE = {"float16": 2, "bfloat16": 4}  # kDLFloat, kDLBfloat
+_DL_CODE = {"float16": 2, "bfloat16": 4, "float32": 2}  # kDLFloat, kDLBfloat
 _MAX_OPERANDS = 8
 _MAX_RANK = 6
 
@@ -91,7 +91,7 @@ const stackfuse::gemm::SiteSpec kSpec = {{
     /*a=*/{spec.a}, /*b=*/{spec.b}, /*bias=*/{spec.bias}, /*c=*/{spec.c_operand},
     /*b_kmajor=*/{"true" if spec.b_kmajor else "false"},
     /*n=*/{int(spec.n)}, /*k=*/{int(spec.k)},
-    /*dtype_code=*/{_DL_CODE[spec.dtype]}, /*dtype_bits=*/16,
+    /*dtype_code=*/{_DL_CODE[spec.dtype]}, /*dtype_bits=*/{8 * ELEMENT_BYTES[spec.dtype]},
     /*op_rank=*/{{{rank_row}}},
     /*op_shape=*/{{
         {table}}},

@@ -124,6 +124,8 @@ def supports(spec: GemmSpec, arch: str) -> str | None:
     """Why no sm_80-class configuration can run ``spec`` on ``arch``, or None."""
     if arch not in ARCHS:
         return f"target arch {arch} is not one of {', '.join(ARCHS)}"
+    if spec.dtype not in _CUTLASS_TYPE:
+        return f"{spec.dtype} GEMMs are built for sm_90 only"
     return gemm_sites.supports_site(spec)
 
 

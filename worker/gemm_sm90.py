@@ -31,7 +31,12 @@ FAMILY = "cutlass_gemm_sm90"
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 
-_CUTLASS_TYPE = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
+#: float32 operands: the collective builder runs them as TF32 (``tfloat32_t`` MMA)
+_CUTLASS_TYPE = {
+    "float16": "cutlass::half_t",
+    "bfloat16": "cutlass::bfloat16_t",
+    "float32": "float",
+}
 _ACT = {
     "none": "cutlass::epilogue::thread::Identity",
     "relu": "cutlass::epilogue::thread::ReLu",
@@ -105,10 +110,12 @@ TILES: dict[str, Tile] = {t.name: t for t in _tiles()}
 
 def config_type(spec: GemmSpec, tile: Tile) -> str:
     """The C++ ``Config<...>`` of ``tile`` for ``spec``: everything the CUTLASS instantiation
-    depends on (the problem size is not part of it)."""
+    depends on (the problem size is not part of it). A float32 (TF32) configuration takes half
+    the tile's K: the same bytes per shared-memory stage as its 16-bit twin."""
+    tile_k = tile.k // 2 if spec.dtype == "float32" else tile.k
     return (
         f"stackfuse::gemm::Config<{_CUTLASS_TYPE[spec.dtype]}, "
-        f"{'true' if spec.b_kmajor else 'false'}, {tile.m}, {tile.n}, {tile.k}, "
+        f"{'true' if spec.b_kmajor else 'false'}, {tile.m}, {tile.n}, {tile_k}, "
         f"{tile.cluster_m}, {tile.cluster_n}, stackfuse::gemm::{tile.schedule}, "
         f"{_SCHEDULER[tile.scheduler]}, "
         f"{'stackfuse::gemm::SiLuGate' if spec.has_gate else _ACT[spec.activation]}, "
@@ -203,7 +210,8 @@ def select_kernel(spec: GemmSpec, arch: str) -> tuple[KernelSource, str]:
     ks = render(spec, tile)
     epi = " + ".join(spec.epilogue()) or "no epilogue"
     layout = "[N, K] read transposed" if spec.b_kmajor else "[K, N] as stored"
-    reason = f"CUTLASS 3 Hopper GEMM ({tile.words}; epilogue: {epi}; B {layout}): {why}"
+    tf32 = "TF32 (options.allow_tf32), " if spec.dtype == "float32" else ""
+    reason = f"CUTLASS 3 Hopper GEMM ({tf32}{tile.words}; epilogue: {epi}; B {layout}): {why}"
     return ks, reason
 
 
@@ -219,7 +227,7 @@ def selected_configs(dtypes: tuple[str, ...] = ("float16", "bfloat16")) -> list[
     """Every configuration the selection can pick, one per C++ type: each selected tile, for
     both weight layouts, with each of EPILOGUE_VARIANTS. What ``stackfuse prebuild`` compiles
     beside the attention configurations."""
-    from worker.gemm_selection import SELECTION
+    from worker.gemm_selection import EPILOGUE_PICKS, SELECTION
 
-    tiles = sorted({tile for tile, _ in SELECTION.values()})
+    tiles = sorted({tile for tile, _ in [*SELECTION.values(), *EPILOGUE_PICKS.values()]})
     return variant_configs(tiles, dtypes, render_configuration)

@@ -385,4 +385,6 @@ def _validate(
         ref = build_reference(
             payload, target=target, options=options, out_dir=ref_dir, settings=settings, fmt=fmt
         )
-        return validate.compare(library, ref.library, params, settings, ref_dir)
+        return validate.compare(
+            library, ref.library, params, settings, ref_dir, validate.tolerances(options)
+        )

@@ -253,5 +253,16 @@ def test_prebuild_lists_the_selected_configurations_and_refuses_bad_input(
         timeout=120,
     )
     assert one.returncode == 0 and 1 <= len(one.stdout.strip().splitlines()) < len(lines)
-    bad = stackfuse("prebuild", "--list", "--dtype", "float32", env=service_env, timeout=120)
+    bad = stackfuse(
+        "prebuild", "--list", "--arch", "sm_86", "--dtype", "float32", env=service_env, timeout=120
+    )
     assert bad.returncode == 2 and "float16 and bfloat16" in bad.stderr
+    # TF32 on Hopper: GEMM configurations only (the attention kernel takes 16-bit types)
+    tf32 = stackfuse("prebuild", "--list", "--dtype", "float32", env=service_env, timeout=120)
+    assert tf32.returncode == 0, tf32.stderr
+    tf32_lines = tf32.stdout.strip().splitlines()
+    assert tf32_lines and all(line.startswith("stackfuse_gcfg_") for line in tf32_lines)
+    assert all("Config<float, " in line for line in tf32_lines)
+    ampere = stackfuse("prebuild", "--list", "--arch", "sm_86", env=service_env, timeout=120)
+    assert ampere.returncode == 0, ampere.stderr
+    assert all("stackfuse::gemm::sm80::Config<" in line for line in ampere.stdout.splitlines())

@@ -157,7 +157,8 @@ def test_transposed_weight_is_read_in_place_by_its_operand_index() -> None:
     [
         ({"k": 37}, "alignment", "K = 37 is not a multiple of 8"),
         ({"n": 90}, "alignment", "N = 90 is not a multiple of 8"),
-        ({"dtype": "float32", "cast": False}, "dtype", "float32 stays in TVM"),
+        ({"dtype": "float32", "cast": False}, "dtype", "set options.allow_tf32"),
+        ({"dtype": "float32", "cast": False, "k": 66}, "dtype", "full float32 precision"),
     ],
 )
 def test_gemms_that_stay_in_tvm_say_why(kwargs: dict[str, Any], check: str, words: str) -> None:
@@ -167,6 +168,68 @@ def test_gemms_that_stay_in_tvm_say_why(kwargs: dict[str, Any], check: str, word
     assert words in entry.reason
     assert check in {f.check for f in entry.check_failures}
     assert "R.matmul(" in res.mod["main"].script()
+
+
+TF32 = CompileOptions(allow_tf32=True)
+
+
+def test_tf32_leaves_float32_weights_stored_k_by_n_to_tvm() -> None:
+    res = _gemms(linear_module(dtype="float32", cast=False, transposed=False), options=TF32)
+    (entry,) = res.entries
+    assert not entry.offloaded
+    assert "tf32_layout" in {f.check for f in entry.check_failures}
+    assert "stored [K, N]" in entry.reason
+
+
+@pytest.mark.parametrize("transposed", [True])
+def test_float32_matmuls_run_as_tf32_when_the_client_opts_in(transposed: bool) -> None:
+    res = _gemms(
+        linear_module(dtype="float32", cast=False, act="gelu", transposed=transposed), options=TF32
+    )
+    (entry,) = res.entries
+    assert entry.offloaded, entry.reason
+    assert entry.epilogue == ["bias", "gelu"]
+    (ff,) = res.functions
+    ks, reason = gemm_families.select_kernel(ff.spec, "sm_90")
+    assert "TF32 (options.allow_tf32)" in reason
+    (cfg,) = ks.needs
+    # float operands (the builder's TF32 MMA), half the 16-bit tile's K: the same stage bytes
+    assert cfg.config["dtype"] == "float32"
+    tile = gemm_sm90.TILES[cfg.config["tile"]]
+    assert (
+        f"Config<float, {'true' if transposed else 'false'}, {tile.m}, {tile.n}, {tile.k // 2}, "
+        in cfg.source
+    )
+    assert "/*dtype_bits=*/32" in ks.source
+    # ... and it is not the float16 configuration of the same tile
+    half, _ = gemm_families.select_kernel(
+        weight_spec(
+            dtype="float16", m=128, n=96, k=64, b_kmajor=transposed, bias=True, activation="gelu"
+        ),
+        "sm_90",
+    )
+    assert half.needs[0].symbol != cfg.symbol
+
+
+def test_tf32_takes_float32_alignment_and_stays_on_hopper() -> None:
+    # 16-byte rows hold 4 float32s: K = 36 is aligned for TF32, not K = 38
+    assert (
+        _gemms(linear_module(dtype="float32", cast=False, k=36), options=TF32).entries[0].offloaded
+    )
+    entry = _gemms(linear_module(dtype="float32", cast=False, k=38), options=TF32).entries[0]
+    assert not entry.offloaded and "K = 38 is not a multiple of 4" in entry.reason
+    entry = _gemms(linear_module(dtype="float32", cast=False), "sm_80", TF32).entries[0]
+    assert not entry.offloaded and "TF32 GEMMs are built for sm_90 only" in entry.reason
+    # float16 sites of the same job still offload there
+    assert _gemms(linear_module(), "sm_80", TF32).entries[0].offloaded
+
+
+def test_tf32_libraries_are_validated_with_a_tf32_tolerance() -> None:
+    from worker import validate
+
+    assert validate.tolerances(OPTS)["float32"] == validate.TOLERANCE["float32"]
+    assert validate.tolerances(TF32)["float32"] == validate.TF32_TOLERANCE
+    assert validate.tolerances(TF32)["float16"] == validate.TOLERANCE["float16"]
 
 
 def test_a_full_size_added_term_is_not_a_bias_but_a_residual() -> None:
@@ -204,11 +267,8 @@ def test_gemm_offload_off_or_elsewhere_is_reported(
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
 def test_ampere_class_archs_offload_to_the_cutlass_2_family(
-    arch: str, monkeypatch: pytest.MonkeyPatch
+    arch: str,
 ) -> None:
-    res = _gemms(linear_module(act="gelu"), arch)
-    assert not res.entries[0].offloaded  # experimental: off unless asked for
-    monkeypatch.setenv(gemm_families.SM80_ENV, "1")
     res = _gemms(linear_module(act="gelu"), arch)
     (entry,) = res.entries
     assert entry.offloaded, entry.reason
@@ -397,7 +457,7 @@ def test_every_shape_class_has_a_tile_that_exists_and_names_measured_rows() -> N
     from benchmarks.gemm_bench import GRID_SHAPES, MODEL_SHAPES
 
     shapes = {name: (m, n, k) for name, m, n, k in MODEL_SHAPES + GRID_SHAPES}
-    bands = [(r, n, k) for r in ("small", "medium", "large") for n in ("narrow", "wide")
+    bands = [(r, n, k) for r in ("small", "medium", "large") for n in ("narrow", "mid", "wide")
              for k in ("shallow", "deep")]  # fmt: skip
     assert sorted(gemm_selection.SELECTION) == sorted(bands)
     for key, (name, why) in gemm_selection.SELECTION.items():
@@ -408,6 +468,12 @@ def test_every_shape_class_has_a_tile_that_exists_and_names_measured_rows() -> N
             spec = weight_spec(dtype="float16", m=m, n=n, k=k, b_kmajor=True)
             assert gemm_selection.shape_class(spec) == key, (row, key)
         assert rows or why.startswith("no row"), why
+    for (act, rows_band, depth), (name, why) in gemm_selection.EPILOGUE_PICKS.items():
+        assert name in gemm_sm90.TILES
+        m, n, k = shapes[why]
+        spec = weight_spec(dtype="float16", m=m, n=n, k=k, b_kmajor=True, activation=act)  # type: ignore[arg-type]
+        assert gemm_selection.shape_class(spec)[::2] == (rows_band, depth)
+        assert gemm_selection.pick(spec)[0] == name
 
 
 def test_shape_classes_of_the_models_layers() -> None:
@@ -416,6 +482,7 @@ def test_shape_classes_of_the_models_layers() -> None:
         return gemm_selection.shape_class(spec)
 
     assert cls(4096, 768, 3072) == ("medium", "narrow", "deep")  # BERT-base B32 S128 fc2
+    assert cls(2048, 2048, 5632) == ("medium", "mid", "deep")  # Llama-style B1 S2048 down
     assert cls(8192, 2304, 768) == ("large", "wide", "shallow")  # GPT-2 small B8 S1024 qkv
     assert cls("n", 768, 768) == ("large", "narrow", "shallow")  # a symbolic M: serving
 
@@ -480,12 +547,9 @@ def test_one_gemm_configuration_and_its_glue_compile() -> None:
 
 @pytest.mark.nvcc
 @pytest.mark.slow
-def test_one_ampere_gemm_configuration_and_its_glue_compile(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_one_ampere_gemm_configuration_and_its_glue_compile() -> None:
     from worker.nvcc import compile_object
 
-    monkeypatch.setenv(gemm_families.SM80_ENV, "1")
     spec = weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True, residual=True)
     ks, _ = gemm_families.select_kernel(spec, "sm_80")
     ck = compile_object(ks)
