@@ -116,13 +116,16 @@ def build(
     #: (symbol, tile name) -> the way: swizzled tiles share their base tile's configuration
     ways: dict[tuple[str, str], dict[str, Any]] = {}
     units: dict[str, KernelSource] = {}
-    if tiles == ["selected"]:  # the tiles the selector picks for the shapes ``run`` times
+    if tiles == ["selected"] and acts == ["as-used"]:  # as-used alone builds the picks
+        tiles = None
+    elif tiles == ["selected"]:  # the tiles the selector picks for the shapes ``run`` times
         tiles = sorted(
             {
-                _selected_tile(dtype, m, n, k, kmajor)
+                _selected_tile(dtype, m, n, k, kmajor, act)
                 for _, m, n, k in SHAPES[shapes]
                 for dtype in dtypes
                 for kmajor in (True, False)
+                for act in acts
             }
         )
     if acts == ["as-used"]:  # each model GEMM's own epilogue and layout, nothing else
@@ -135,7 +138,7 @@ def build(
             for dtype in dtypes:
                 kmajor = layout == "k_major"
                 # the tile the selector picks (what the libraries link), or every tile given
-                for tile in tiles or [_selected_tile(dtype, m, n, k, kmajor)]:
+                for tile in tiles or [_selected_tile(dtype, m, n, k, kmajor, act)]:
                     combos.append((dtype, kmajor, act, has_c, tile))
     else:
         combos = [
@@ -320,12 +323,23 @@ def _peer(epi: str, kmajor: bool, a: Any, w: Any, bias: Any, res: Any) -> Any:
     return lambda: torch.matmul(a, wt)
 
 
-def _selected_tile(dtype: str, m: int, n: int, k: int, kmajor: bool) -> str:
-    """The tile worker.gemm_selection picks for this shape (what a library built now runs)."""
+def _selected_tile(
+    dtype: str, m: int, n: int, k: int, kmajor: bool, activation: str = "none"
+) -> str:
+    """The tile worker.gemm_selection picks for this shape and epilogue activation (what a
+    library built now runs)."""
     from worker.gemm import weight_spec
     from worker.gemm_selection import pick
 
-    spec = weight_spec(dtype=dtype, m=m, n=n, k=k, b_kmajor=kmajor, bias=True)  # type: ignore[arg-type]
+    spec = weight_spec(
+        dtype=dtype,  # type: ignore[arg-type]
+        m=m,
+        n=n,
+        k=k,
+        b_kmajor=kmajor,
+        activation=activation,  # type: ignore[arg-type]
+        bias=True,
+    )
     return pick(spec)[0]
 
 
@@ -395,7 +409,9 @@ def run(
                         "cublas_max_abs_error": peer_err,
                         "ours": {},
                     }
-                    pick = _selected_tile(dtype_name, m, n, k, kmajor) if selected else None
+                    chosen = _selected_tile(dtype_name, m, n, k, kmajor, act)
+                    row["selected_tile"] = chosen
+                    pick = chosen if selected else None
                     for c in configs:
                         if (
                             c["dtype"] != dtype_name
@@ -437,6 +453,8 @@ def run(
                         best = min(timed, key=lambda t: timed[t]["s"])
                         row["best_tile"] = best
                         row["best_vs_cublas"] = timed[best]["vs_cublas"]
+                    if chosen in timed:
+                        row["selected_vs_cublas"] = timed[chosen]["vs_cublas"]
                     row["cublas_tflops"] = 2 * m * n * k / t_peer / 1e12
                     rows.append(row)
                     print(
@@ -450,6 +468,8 @@ def run(
                                     "epilogue",
                                     "best_tile",
                                     "best_vs_cublas",
+                                    "selected_tile",
+                                    "selected_vs_cublas",
                                 )
                                 if k2 in row
                             }
@@ -482,13 +502,17 @@ def to_markdown(doc: dict[str, Any]) -> str:
         "cuBLAS TFLOP/s",
         *tiles,
         "best / cuBLAS",
+        "selected / cuBLAS",
+        "max abs error (selected; cuBLAS)",
     ]
     lines = [
         "# CUTLASS GEMM configurations vs cuBLAS",
         "",
         f"{doc['device']}, torch {doc['torch']}, {doc['date']}; median of {doc['rounds']} rounds "
         f"of {doc['calls_per_round']} calls, each way in its own steady state. Tile columns: "
-        "TFLOP/s of each configuration. Command: `python -m benchmarks.gemm_bench run DIR OUT`.",
+        "TFLOP/s of each configuration. Errors: against the float32 product of the same "
+        "operands (float32 rows: TF32 on, as cuBLAS's peer runs). "
+        "Command: `python -m benchmarks.gemm_bench run DIR OUT`.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -512,6 +536,17 @@ def to_markdown(doc: dict[str, Any]) -> str:
                 else ("-" if not v else f"err {v.get('status')}")
             )
         cells.append(f"{r['best_vs_cublas']:.3f}x ({r['best_tile']})" if "best_tile" in r else "-")
+        cells.append(
+            f"{r['selected_vs_cublas']:.3f}x ({r['selected_tile']})"
+            if "selected_vs_cublas" in r
+            else "-"
+        )
+        sel = r["ours"].get(r.get("selected_tile", ""), {})
+        cells.append(
+            f"{sel['max_abs_error']:.1e}; {r['cublas_max_abs_error']:.1e}"
+            if "max_abs_error" in sel
+            else "-"
+        )
         lines.append("| " + " | ".join(cells) + " |")
     ratios = [r["best_vs_cublas"] for r in doc["rows"] if "best_vs_cublas" in r]
     if ratios:
@@ -521,6 +556,13 @@ def to_markdown(doc: dict[str, Any]) -> str:
             f"Best configuration vs cuBLAS: geometric mean {gm:.3f}x, minimum "
             f"{min(ratios):.3f}x over {len(ratios)} rows.",
         ]
+    chosen = [r["selected_vs_cublas"] for r in doc["rows"] if "selected_vs_cublas" in r]
+    if chosen:
+        lines.append(
+            f"The selector's tile vs cuBLAS: geometric mean "
+            f"{statistics.geometric_mean(chosen):.3f}x, minimum {min(chosen):.3f}x over "
+            f"{len(chosen)} rows; {sum(c >= 0.95 for c in chosen)} of them >= 0.95x."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -134,7 +134,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
             )
         res = compile_module(
             module_json.read_bytes(),
-            target=Target(arch=arch),
+            target=Target.model_validate({"arch": arch}),
             options=CompileOptions(validate_on_gpu="never", **CASE_OPTIONS.get(case, {})),
             out_dir=tmp / "build",
         )
