@@ -268,7 +268,13 @@ def test_builds_repeat_byte_for_byte(kernel_settings: Settings, tmp_path: Path) 
 
 @pytest.mark.parametrize(
     ("shape", "scheduled"),
-    [((1, 64, 2048), True), ((4, 16, 4096), True), ((1, 64, 5120), False), ((64, 2048), False)],
+    [
+        ((1, 64, 2048), True),
+        ((4, 16, 4096), True),
+        ((1, 64, 5120), False),
+        ((16, 8, 1024), False),
+        ((64, 2048), False),
+    ],
 )
 def test_rms_norm_takes_the_rmsnorm_rule_where_its_schedule_compiles(
     shape: tuple[int, ...], scheduled: bool, tmp_path: Path
