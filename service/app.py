@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from service import api, metrics, problems
+from service import api, logs, metrics, problems
 from service.middleware import BodyLimit
 from service.settings import Settings, get_settings
 from service.state import build_state, warm_up
@@ -20,6 +20,7 @@ from service.state import build_state, warm_up
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    logs.configure(settings.log_format)  # here: each uvicorn worker process builds its own app
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -38,6 +38,10 @@ _RQ_GAUGES = (
 _FINISHED = "jobs_finished_total"
 _SUBMITTED = "jobs_submitted_total"
 _COMPILE = "compile_seconds"
+_STAGE = "stage_seconds"
+#: Upper bounds of the stage-duration histogram, seconds: ingest and partition take well under a
+#: second, codegen with cached configurations seconds, a cold configuration 45-95 s.
+STAGE_SECONDS_BUCKETS: tuple[float, ...] = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _GC_DELETED = "gc_deleted_total"
 _GC_BYTES = "gc_deleted_bytes_total"
 
@@ -67,6 +71,19 @@ def count_finished(pipe: Any, status: str, compile_seconds: float | None = None)
         pipe.hincrby(METRICS_KEY, _field(_COMPILE + "_bucket", le=_le(bound)), 1)
         pipe.hincrbyfloat(METRICS_KEY, _field(_COMPILE + "_sum"), seconds)
         pipe.hincrby(METRICS_KEY, _field(_COMPILE + "_count"), 1)
+
+
+def count_stages(pipe: Any, timings: dict[str, float]) -> None:
+    """One successful compile's stage durations (the report's ``timings``: ``ingest_s``,
+    ``partition_s``, ``codegen_s``, ``build_s``, ...), each into its ``stage`` histogram."""
+    for key, value in timings.items():
+        if not key.endswith("_s") or not isinstance(value, int | float):
+            continue
+        stage, seconds = key.removesuffix("_s"), max(0.0, float(value))
+        bound = next((b for b in STAGE_SECONDS_BUCKETS if seconds <= b), math.inf)
+        pipe.hincrby(METRICS_KEY, _field(_STAGE + "_bucket", stage=stage, le=_le(bound)), 1)
+        pipe.hincrbyfloat(METRICS_KEY, _field(_STAGE + "_sum", stage=stage), seconds)
+        pipe.hincrby(METRICS_KEY, _field(_STAGE + "_count", stage=stage), 1)
 
 
 def count_gc(pipe: Any, kind: str, deleted: int, size: int) -> None:
@@ -169,6 +186,23 @@ class _Collector:
             sum_value=total,
         )
 
+        stages = HistogramMetricFamily(
+            "stackfuse_stage_seconds",
+            "Wall time of each stage of successful compiles (the report's timings), seconds",
+            labels=["stage"],
+        )
+        per_stage: dict[str, dict[str, float]] = {}
+        for labels, value in by_name.get(_STAGE + "_bucket", []):
+            per_stage.setdefault(labels.get("stage", ""), {})[labels.get("le", "")] = value
+        sums = {labels.get("stage", ""): v for labels, v in by_name.get(_STAGE + "_sum", [])}
+        for stage in sorted(per_stage):
+            cumulative, cells = 0.0, []
+            for bound in (*STAGE_SECONDS_BUCKETS, math.inf):
+                cumulative += per_stage[stage].get(_le(bound), 0.0)
+                cells.append((_le(bound), cumulative))
+            stages.add_metric([stage], cells, sum_value=sums.get(stage, 0.0))
+        yield stages
+
 
 def make_router() -> "APIRouter":
     """``GET /metrics``; the app includes it (FastAPI imported here, not at module import)."""
@@ -179,7 +213,7 @@ def make_router() -> "APIRouter":
 
     @router.get(
         "/metrics",
-        summary="Prometheus metrics (jobs by state, queue depth, compile seconds, gc)",
+        summary="Prometheus metrics (jobs by state, queue depth, compile and stage seconds, gc)",
         response_class=Response,
         responses={200: {"content": {"text/plain": {}}, "description": "text format 0.0.4"}},
     )

@@ -223,9 +223,12 @@ def run_api(
     """Serve the API until SIGINT/SIGTERM. Each process builds its app from the environment
     (``create_app()`` reads ``get_settings()``), so ``settings`` only chooses where to listen."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     uvicorn.run(
         "service.app:create_app",
+        # json: uvicorn's loggers propagate to the handler create_app installs (service.logs)
+        log_config=None if settings.log_format == "json" else LOGGING_CONFIG,
         factory=True,
         host=host or settings.api_host,
         port=port or settings.api_port,

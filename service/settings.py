@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     api_workers: int = Field(
         default=1, description="API processes `stackfuse api` runs (the check is CPU-bound)."
     )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Logs of the API and the workers: text, or json (one JSON object per line "
+        "with the job id, for log collectors).",
+    )
     max_body_bytes: int = Field(default=64 * MiB, description="Largest POST /optimize body.")
     retry_after_s: int = Field(default=2, description="Retry-After sent while a job runs.")
     max_idempotency_key_chars: int = Field(default=255, description="Longest Idempotency-Key.")

@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from redis import Redis
 from redis import exceptions as redis_errors
+from redis.exceptions import RedisError
 from rq import Queue, Worker, get_current_job
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import AbandonedJobError
@@ -51,7 +52,7 @@ from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException
 from rq.utils import now as rq_now
 
-from service import retention
+from service import logs, metrics, retention
 from service.errors import (
     CompileError,
     InfrastructureError,
@@ -153,6 +154,18 @@ def _no_retry(job: Job | None) -> None:
         job.retries_left = 0
 
 
+def _count_stages(rq_job: Job, report_path: Path) -> None:
+    """The report's stage timings into the stage-duration histogram (best effort: the job has
+    succeeded whatever happens here)."""
+    try:
+        timings = json.loads(report_path.read_text()).get("timings", {})
+        with rq_job.connection.pipeline(transaction=False) as pipe:
+            metrics.count_stages(pipe, timings)
+            pipe.execute()
+    except (OSError, ValueError, RedisError) as exc:
+        log.warning("job %s: stage timings not counted: %s", rq_job.id, exc)
+
+
 def compile_job(job_id: str, input_sha256: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Compile one stored module; the RQ job's function. Arguments are ids and hashes only.
 
@@ -174,7 +187,10 @@ def compile_job(job_id: str, input_sha256: str, spec: dict[str, Any]) -> dict[st
     store = LocalStore.for_data_dir(settings.data_dir, fsync=settings.store_fsync)
     work = settings.data_dir / "work" / f"{job_id}.{attempt}"
     try:
-        return _compile(records, store, settings, job_id, input_sha256, spec, work, rq_job, attempt)
+        with logs.job_scope(job_id):
+            return _compile(
+                records, store, settings, job_id, input_sha256, spec, work, rq_job, attempt
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -221,13 +237,17 @@ def _compile(
         artifact = store.put_file(result.library)
         report = store.put_file(result.report_path)
         records.succeed(job_id, artifact_sha256=artifact, report_sha256=report)
+        _count_stages(rq_job, result.report_path)
+        log.info("job %s: succeeded", job_id, extra={"artifact_sha256": artifact})
         return {"status": "succeeded", "artifact_sha256": artifact, "report_sha256": report}
     except StackfuseError as err:
         if isinstance(err.__cause__, JobTimeoutException):  # RQ's alarm, wrapped by the pipeline
             _timed_out(records, settings, job_id, rq_job, stored_report())
         if err.retryable:
+            log.warning("job %s: %s (retryable): %s", job_id, err.type, err)
             records.note_error(job_id, err)
             raise  # RQ retries; StackfuseWorker.handle_job_failure updates the record
+        log.info("job %s: failed: %s: %s", job_id, err.type, err)
         records.fail(job_id, err, report_sha256=stored_report())
         _no_retry(rq_job)
         raise
@@ -459,6 +479,7 @@ def make_worker(settings: Settings, name: str | None = None) -> StackfuseWorker:
 
 def run_worker(settings: Settings, *, burst: bool = False) -> bool:
     """Run one worker in this process until SIGTERM/SIGINT (or the queue is empty, burst)."""
+    logs.configure(settings.log_format)  # before RQ's own handlers, which it then leaves out
     worker = make_worker(settings)
     return worker.work(burst=burst, with_scheduler=True, logging_level="INFO")
 

@@ -60,6 +60,11 @@ def test_metrics_count_jobs_across_the_api_and_the_workers(
     assert value(after, "stackfuse_compile_seconds_sum") > value(
         before, "stackfuse_compile_seconds_sum"
     )
+    # each stage of the report's timings, once per successful compile
+    for stage in ("ingest", "partition", "build"):
+        n = value(after, "stackfuse_stage_seconds_count", stage=stage)
+        assert n == value(before, "stackfuse_stage_seconds_count", stage=stage) + 1, stage
+        assert value(after, "stackfuse_stage_seconds_bucket", stage=stage, le="+Inf") == n
     # counted by the API
     for outcome in ("queued", "cached"):
         assert value(after, "stackfuse_jobs_submitted_total", outcome=outcome) == (
