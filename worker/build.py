@@ -222,29 +222,24 @@ def _linker(chain: Toolchain, settings: Settings) -> Callable[..., None]:
 #: dlight rules that schedule TVM's own kernels, first match wins: TVM's CUDA default
 #: (``tvm.relax.backend.cuda.pipeline.legalize_passes``), and ours, which tries the RMSNorm rule
 #: first (one block per row, vectorized 8-wide; GeneralReduction, the default's match for an
-#: RMSNorm, is slower: benchmarks/results/norm_bench.md)
+#: RMSNorm, takes 1.4-1.7x its GPU time at rows of 1024-4096: benchmarks/results/norm_bench.md)
 TVM_DEFAULT_RULES = ("Matmul", "GEMV", "Reduction", "GeneralReduction", "Fallback")
-#: the rows the RMSNorm rule takes: up to the longest its schedule compiles (512 threads x 8
-#: elements), from 2048 (at 1024 its one block per row is 0.68x GeneralReduction's kernel on the
-#: H200, at 2048 1.00x, at 4096 1.37x: benchmarks/results/norm_bench.md)
-RMSNORM_MIN_ROW, RMSNORM_MAX_ROW = 2048, 4096
+#: the longest row dlight's RMSNorm schedule compiles (512 threads x 8 elements)
+RMSNORM_MAX_ROW = 4096
 SCHEDULE_RULES = ("RMSNorm", *TVM_DEFAULT_RULES)
 
 
 class GuardedRMSNorm(dl.gpu.RMSNorm):
     """dlight's RMSNorm rule raises on layouts it does not expect (a 2-D input) instead of
     declining, and its schedule of a row longer than 512 threads x 8 does not compile
-    (float16x16 vectors): those it declines here, and the next rule schedules them. So it does
-    rows shorter than ``RMSNORM_MIN_ROW``, where its schedule is slower than the next rule's."""
+    (float16x16 vectors): those it declines here, and the next rule schedules them."""
 
     def apply(self, func: Any, target: Any, tunable: bool) -> Any:
         shape = getattr(func.params[0], "shape", None) if func.params else None
         if not shape:
             return None
         row = shape[-1]
-        if not isinstance(row, tvm.tirx.IntImm) or not (
-            RMSNORM_MIN_ROW <= int(row) <= RMSNORM_MAX_ROW
-        ):
+        if not isinstance(row, tvm.tirx.IntImm) or int(row) > RMSNORM_MAX_ROW:
             return None
         try:
             return super().apply(func, target, tunable)

@@ -272,7 +272,7 @@ def test_builds_repeat_byte_for_byte(kernel_settings: Settings, tmp_path: Path) 
         ((1, 64, 2048), True),
         ((4, 16, 4096), True),
         ((1, 64, 5120), False),
-        ((16, 8, 1024), False),
+        ((16, 8, 1024), True),
         ((64, 2048), False),
     ],
 )
