@@ -86,7 +86,6 @@ def _tiles() -> list[Tile]:
         Tile("coop_128x256", 128, 256, 64, 2, 1, "Cooperative", "persistent"),
         Tile("coop_128x256_c1x2", 128, 256, 64, 1, 2, "Cooperative", "persistent"),
         Tile("coop_256x128_c1x2", 256, 128, 64, 1, 2, "Cooperative", "persistent"),
-        Tile("coop_256x128", 256, 128, 64, 2, 1, "Cooperative", "persistent"),
         # N = 192: 768-wide layers (BERT-base, GPT-2 small) in 4 column tiles, one wave at M 4096
         Tile("pingpong_128x192", 128, 192, 64, 2, 1, "Pingpong", "persistent"),
         Tile("coop_128x192", 128, 192, 64, 2, 1, "Cooperative", "persistent"),
