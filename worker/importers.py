@@ -1045,7 +1045,22 @@ def import_onnx(
             i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
             for i in graph_inputs
         }
-    mod = from_onnx(model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True)
+    try:
+        mod = from_onnx(
+            model, shape_dict=shape_dict, dtype_dict=dtype_dict, keep_params_in_input=True
+        )
+    except Exception as exc:
+        if dynamic is None:
+            raise
+        # TVM's frontend loses the shape of values computed from symbolic dims (a Reshape of
+        # Gather(Shape(x)), then of a shapeless tensor): a dynamo export of GPT-2 stops there
+        from worker.ingest import tvm_error
+
+        raise tvm_error(
+            "TVM's ONNX frontend could not convert the model with symbolic dims (import the "
+            "PyTorch model with --dynamic instead, or export the ONNX file with static shapes)",
+            exc,
+        ) from None
     mod, params_nd = tvm.relax.frontend.detach_params(mod)
     weights = [np.asarray(a.numpy()) for a in params_nd.get("main", [])]
     num_input = len(mod["main"].params) - len(weights)
