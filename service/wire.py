@@ -878,7 +878,7 @@ class _Graph:
         for i, node in enumerate(nodes):
             for r in _loose_refs(node, len(nodes)):
                 parents.setdefault(r, i)
-        largest = [
+        largest: list[dict[str, Any]] = [
             {"name": _binding_name(nodes, parents, i), "shape": dims, "dtype": dtype, "bytes": n}
             for i, dims, dtype, n in biggest
         ]
