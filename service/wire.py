@@ -873,20 +873,8 @@ class _Graph:
                 if info is not None:
                     self.constants.append((i, *info))
         total = sum(c[3] for c in self.constants)
-        biggest = sorted(self.constants, key=lambda c: -c[3])[:LARGEST_CONSTANTS]
-        parents: dict[int, int] = {}
-        for i, node in enumerate(nodes):
-            for r in _loose_refs(node, len(nodes)):
-                parents.setdefault(r, i)
-        largest: list[dict[str, Any]] = [
-            {"name": _binding_name(nodes, parents, i), "shape": dims, "dtype": dtype, "bytes": n}
-            for i, dims, dtype, n in biggest
-        ]
-        named = "; ".join(
-            f"{show(c['name']) if c['name'] else '(unbound)'} {c['shape']} {c['dtype']} "
-            f"({_size_text(c['bytes'])})"
-            for c in largest
-        )
+        largest = _describe_constants(nodes, self.constants, LARGEST_CONSTANTS)
+        named = "; ".join(constant_text(c) for c in largest)
         limit = self.settings.max_constant_bytes
         return LimitExceeded(
             f"constants exceed the size limit: {total} bytes in {len(self.constants)} "
@@ -958,6 +946,8 @@ class _Graph:
 
 #: how many constants the max_constant_bytes 413 names
 LARGEST_CONSTANTS = 5
+#: the highest rank :func:`largest_constants` reads a tensor header at (it has no settings)
+_READ_RANK = 64
 
 
 def _size_text(n: int) -> str:
@@ -999,23 +989,73 @@ def _loose_refs(node: Any, n: int) -> list[int]:
     return [r for r in refs if type(r) is int and 0 <= r < n]
 
 
-def _binding_name(nodes: list[Any], parents: dict[int, int], i: int) -> str:
-    """The name of the variable bound to the expression that holds node ``i`` ("" if none)."""
+def largest_constants(text: str | bytes, n: int = LARGEST_CONSTANTS) -> list[dict[str, Any]]:
+    """The ``n`` largest constants of a TVM JSON module, largest first, each as ``{"name",
+    "op", "shape", "dtype", "bytes"}`` (``name``: the variable bound to the expression using
+    it; ``op``: the operator it is an argument of). Read from the JSON alone (tensor headers,
+    no payload decoded, no TVM), for a module too large to send: ``[]`` if it is not TVM JSON.
+    """
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return []
+    nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    if not isinstance(nodes, list):
+        return []
+    found = []
+    for i, node in enumerate(nodes):
+        if isinstance(node, dict) and node.get("type") == "ffi.Tensor":
+            info = _tensor_header(node.get("data"), _READ_RANK)
+            if info is not None:
+                found.append((i, *info))
+    return _describe_constants(nodes, found, n)
+
+
+def constant_text(c: dict[str, Any]) -> str:
+    """One entry of :func:`largest_constants` for a message."""
+    used = f" used by {c['op']}" if c.get("op") else ""
+    name = f" in {show(c['name'])}" if c.get("name") else ""
+    return f"{c['shape']} {c['dtype']} ({_size_text(c['bytes'])}){used}{name}"
+
+
+def _describe_constants(
+    nodes: list[Any], found: list[tuple[int, list[int], str, int]], n: int
+) -> list[dict[str, Any]]:
+    parents: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for r in _loose_refs(node, len(nodes)):
+            parents.setdefault(r, i)
+    out: list[dict[str, Any]] = []
+    for i, dims, dtype, nbytes in sorted(found, key=lambda c: -c[3])[:n]:
+        name, op = _user_of(nodes, parents, i)
+        out.append({"name": name, "op": op, "shape": dims, "dtype": dtype, "bytes": nbytes})
+    return out
+
+
+def _user_of(nodes: list[Any], parents: dict[int, int], i: int) -> tuple[str, str]:
+    """(the variable bound to the expression holding node ``i``, the operator of the first
+    call above it); "" where there is none."""
 
     def field(node: Any, key: str) -> Any:
         data = node.get("data") if isinstance(node, dict) else None
         ref = data.get(key) if isinstance(data, dict) else None
         return nodes[ref] if type(ref) is int and 0 <= ref < len(nodes) else None
 
+    def text(node: Any) -> str:
+        value = node.get("data") if isinstance(node, dict) else None
+        return value[:64] if isinstance(value, str) else ""
+
+    op = ""
     seen: set[int] = set()
     while i in parents and i not in seen:
         seen.add(i)
         i = parents[i]
-        if nodes[i].get("type") in ("relax.expr.VarBinding", "relax.expr.MatchCast"):
-            name = field(field(nodes[i], "var"), "name")
-            text = name.get("data") if isinstance(name, dict) else None
-            return text[:64] if isinstance(text, str) else ""
-    return ""
+        kind = nodes[i].get("type")
+        if kind == "ir.Call" and not op:
+            op = text(field(nodes[i], "op"))
+        if kind in ("relax.expr.VarBinding", "relax.expr.MatchCast"):
+            return text(field(field(nodes[i], "var"), "name")), op
+    return "", op
 
 
 def _rename_unsafe_vars(doc: dict[str, Any], graph: _Graph) -> int:

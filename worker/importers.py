@@ -667,41 +667,12 @@ def _fold_input_free(mod: Any, bounds: Mapping[str, int]) -> tuple[Any, _Fold]:
 BODY_LIMIT_BYTES = 64 * 1024 * 1024
 
 
-def largest_constants(mod: Any, n: int = 3) -> list[tuple[int, str]]:
-    """The ``n`` largest distinct constants of ``mod`` as (bytes, "shape dtype, used by op in
-    binding"), largest first: what to look at when a module is too large to submit."""
-    tvm = import_tvm()
-    from tvm import relax
+def over_limit_message(text: str, size: int, limit: int = BODY_LIMIT_BYTES) -> str:
+    """Why a module of ``size`` JSON bytes cannot be submitted, naming its largest constants
+    (:func:`service.wire.largest_constants`, the same list the service's 413 gives)."""
+    from service.wire import constant_text, largest_constants
 
-    seen: dict[Any, tuple[int, str]] = {}
-    for gv, func in mod.functions.items():
-        if not isinstance(func, relax.Function):
-            continue
-        for block in func.body.blocks:
-            for b in block.bindings:
-                found: list[Any] = []
-                relax.analysis.post_order_visit(b.value, found.append)
-                value = b.value
-                is_op = isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-                op = value.op.name if is_op else type(value).__name__
-                for c in found:
-                    if not isinstance(c, tvm.ir.expr.GenericConst) or c in seen:
-                        continue
-                    shape = [int(d) for d in c.value.shape]
-                    dtype = str(c.value.dtype)
-                    bits = 16 if dtype == "bfloat16" else 8 * np.dtype(dtype).itemsize
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * bits // 8
-                    seen[c] = (
-                        nbytes,
-                        f"{shape} {dtype} ({nbytes / 2**20:.1f} MiB) used by {op} in "
-                        f"{gv.name_hint}/{b.var.name}",
-                    )
-    return sorted(seen.values(), key=lambda t: -t[0])[:n]
-
-
-def over_limit_message(mod: Any, size: int, limit: int = BODY_LIMIT_BYTES) -> str:
-    """Why a module of ``size`` JSON bytes cannot be submitted, naming its largest constants."""
-    biggest = "; ".join(text for _, text in largest_constants(mod))
+    biggest = "; ".join(constant_text(c) for c in largest_constants(text, 3))
     return (
         f"the module is {size / 2**20:.1f} MiB of JSON, over the service's "
         f"{limit / 2**20:.0f} MiB body limit; largest constants: {biggest or 'none'}"
@@ -1253,8 +1224,7 @@ def run_cli(args: argparse.Namespace, settings: Any = None) -> int:
     print(f"module: {out} ({size} bytes)")
     print(f"weights: {params_path(out)}")
     if size > BODY_LIMIT_BYTES:
-        tvm = import_tvm()
-        message = over_limit_message(tvm.ir.load_json(out.read_text()), size)
+        message = over_limit_message(out.read_text(), size)
         if args.submit:
             print(f"stackfuse: error: {message}", file=sys.stderr)
             return 2

@@ -5,13 +5,14 @@ imports TVM. Checked on the wire check and through a running API."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from service.errors import LimitExceeded
 from service.settings import Settings
-from service.wire import check_module_json
+from service.wire import check_module_json, largest_constants
 from tests.conftest import ApiProcess
 from worker.toolchain import import_tvm
 
@@ -36,9 +37,15 @@ def _module_with_constants() -> str:
 
 
 LARGEST = [
-    {"name": "proj", "shape": [256, 512], "dtype": "float16", "bytes": 262144},
-    {"name": "shifted", "shape": [4, 256], "dtype": "float16", "bytes": 2048},
-    {"name": "biased", "shape": [512], "dtype": "float16", "bytes": 1024},
+    {
+        "name": "proj",
+        "op": "relax.matmul",
+        "shape": [256, 512],
+        "dtype": "float16",
+        "bytes": 262144,
+    },
+    {"name": "shifted", "op": "relax.add", "shape": [4, 256], "dtype": "float16", "bytes": 2048},
+    {"name": "biased", "op": "relax.add", "shape": [512], "dtype": "float16", "bytes": 1024},
 ]
 
 
@@ -50,7 +57,9 @@ def test_the_constants_limit_names_the_largest_constants() -> None:
     assert detail["largest_constants"] == LARGEST
     # the total counts every constant, also those after the one that passed the limit
     assert detail["actual"] == 262144 + 2048 + 1024 and detail["limit"] == 100_000
-    assert "'proj' [256, 512] float16 (256.0 KiB)" in err.value.message
+    assert "[256, 512] float16 (256.0 KiB) used by relax.matmul in 'proj'" in err.value.message
+    # the same list, for a module too large to send at all (stackfuse submit, import)
+    assert largest_constants(_module_with_constants()) == LARGEST
 
 
 def test_the_api_413_names_them_too(start_api: Callable[..., ApiProcess]) -> None:
@@ -62,4 +71,20 @@ def test_the_api_413_names_them_too(start_api: Callable[..., ApiProcess]) -> Non
     assert problem["type"].endswith("/limit-exceeded")
     assert problem["setting"] == "max_constant_bytes"
     assert problem["largest_constants"] == LARGEST
-    assert "largest: 'proj' [256, 512] float16" in problem["detail"]
+    assert "largest: [256, 512] float16 (256.0 KiB) used by relax.matmul" in problem["detail"]
+
+
+def test_submit_names_them_when_the_body_is_refused_unread(
+    start_api: Callable[..., ApiProcess], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Over the body limit the API reads nothing (413 payload-too-large); ``stackfuse submit``
+    lists the module's largest constants itself, from the file it sent."""
+    from service.cli import main
+
+    small = start_api(STACKFUSE_MAX_BODY_BYTES="100000")
+    model = tmp_path / "model.json"
+    model.write_text(_module_with_constants())
+    assert main(["submit", str(model), "--url", small.url]) == 2
+    err = capsys.readouterr().err
+    assert "Request body too large" in err
+    assert "largest constants: [256, 512] float16 (256.0 KiB) used by relax.matmul" in err
