@@ -203,3 +203,30 @@ def test_an_export_that_fixes_a_dynamic_dim_is_refused_with_the_reason() -> None
         import_any(model, example_inputs=(example_ids("gpt2", 1, 16),), dynamic={"batch": 4})
     with pytest.raises(InputError, match=r"within 2\.\.64"):
         import_any(model, example_inputs=(example_ids("gpt2", 2, 80),), dynamic={"seq": 64})
+
+
+def test_a_check_that_needs_a_static_extent_names_the_symbolic_dim() -> None:
+    """Batch and sequence may be symbolic; a symbolic head dim keeps the site in TVM, and the
+    failure says which dim it was."""
+    from tvm import relax, tirx
+
+    from worker.partition import partition
+
+    b, s, h = (tirx.Var(n, "int64") for n in ("batch", "seq", "hd"))
+    qkv = relax.Var("qkv", relax.TensorType((b, s, 4 * h * 3), "float16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [qkv]):
+        with bb.dataflow():
+            parts = bb.emit(relax.op.split(qkv, 3, axis=2))
+            q, k, v = (
+                bb.emit(relax.op.reshape(relax.TupleGetItem(parts, i), (b, s, 4, h)))
+                for i in range(3)
+            )
+            out = bb.emit_output(bb.emit(relax.op.nn.attention(q, k, v)))
+        bb.emit_func_output(out)
+    res = partition(bb.get(), CompileOptions(), "sm_90")
+    assert res.fused == []
+    checks = {f.check: f for f in res.failures}
+    assert "hd" in str(checks["static_feature_dim"].actual)
+    assert checks["static_head_dims"].actual == "head_dim = hd"
+    assert "head_dim is symbolic (hd)" in checks["static_head_dims"].message
