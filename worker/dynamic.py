@@ -74,10 +74,13 @@ def describe(func: Any) -> list[dict[str, Any]]:
     The manifest and the report both carry this list; it is read from the module itself, so a
     module written by hand with symbolic dims is described the same way."""
     attrs = func.attrs
-    num_input = int(attrs["num_input"]) if attrs is not None and "num_input" in attrs else 0
+    params = list(func.params)
+    num_input = (
+        int(attrs["num_input"]) if attrs is not None and "num_input" in attrs else len(params)
+    )
     bounds = bounds_of(func)
     found: dict[str, list[str]] = {}
-    for p in list(func.params)[:num_input]:
+    for p in params[:num_input]:
         values = getattr(getattr(p.ty, "shape", None), "values", None) or []
         for axis, d in enumerate(values):
             if hasattr(d, "name") and not hasattr(d, "value"):  # a tirx.Var, not an IntImm
