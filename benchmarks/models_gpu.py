@@ -42,9 +42,20 @@ CASES: list[tuple[str, str, str, str, int, int, str]] = [
     ("bert_base_b32_s128_sm80", "bert_base", "torch", "float16", 32, 128, "sm_80"),
     ("llama_small_b2_s512_sm80", "llama_small", "torch", "float16", 2, 512, "sm_80"),
     ("bert_base_b32_s128_tf32", "bert_base", "torch", "float32", 32, 128, "sm_90"),
+    # static references for the dynamic case below, at the sizes it runs at
+    ("gpt2_small_b8_s256", "gpt2_small", "torch", "float16", 8, 256, "sm_90"),
+    ("gpt2_small_b8_s512", "gpt2_small", "torch", "float16", 8, 512, "sm_90"),
+    # one library for every size up to its bounds (DYNAMIC); batch and seq are the example's
+    ("gpt2_small_dynamic", "gpt2_small", "torch", "float16", 8, 1024, "sm_90"),
 ]
 #: compile options of a case beyond the defaults
 CASE_OPTIONS: dict[str, dict[str, Any]] = {"bert_base_b32_s128_tf32": {"allow_tf32": True}}
+#: dynamic cases: imported with ``--dynamic`` at these bounds, built once, then checked and
+#: timed at each (batch, seq) as row ``<case>@b<B>_s<S>`` beside the static case of that size
+#: (its ``vs_static``: the static library's time over the dynamic one's; >= 0.97 is within 3%)
+DYNAMIC: dict[str, tuple[dict[str, int], list[tuple[int, int]]]] = {
+    "gpt2_small_dynamic": ({"batch": 8, "seq": 1024}, [(8, 256), (8, 512), (8, 1024)]),
+}
 WARMUP, ITERS = 10, 50
 PROFILED_CALLS = 5
 
@@ -130,7 +141,11 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
             module_json = import_model(src, out=tmp / "model.json")
         else:
             module_json = import_model(
-                model, example_inputs=(ids,), out=tmp / "model.json", dtype=dtype
+                model,
+                example_inputs=(ids,),
+                out=tmp / "model.json",
+                dtype=dtype,
+                dynamic=DYNAMIC[case][0] if case in DYNAMIC else None,
             )
         res = compile_module(
             module_json.read_bytes(),
@@ -174,6 +189,8 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
             else "",
             "rewrites": sorted({r.rewrite for r in res.report.normalizations}),
             "variants": [m.variant for m in res.report.matches],
+            "dynamic": [d.model_dump() for d in res.report.dynamic],
+            "runs": [list(r) for r in DYNAMIC[case][1]] if case in DYNAMIC else [],
             "build_seconds": round(time.monotonic() - t0, 1),
         }
         (work / "case.json").write_text(json.dumps(case_doc, indent=2))
@@ -207,7 +224,22 @@ def _rel(a: Any, b: Any) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
+def static_case(model: str, batch: int, seq: int) -> str | None:
+    """The static case of ``model`` at one size (a dynamic row's reference), if there is one."""
+    return next(
+        (
+            c
+            for c, m, route, _, b, s, arch in CASES
+            if (m, b, s, route, arch) == (model, batch, seq, "torch", "sm_90") and c not in DYNAMIC
+        ),
+        None,
+    )
+
+
+def check_one(
+    case_dir: Path, deadline: float, size: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """One case's row; ``size`` (batch, seq) runs a dynamic case's library at that size."""
     import numpy as np
     import torch
 
@@ -221,6 +253,10 @@ def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
 
     doc = json.loads((case_dir / "case.json").read_text())
     row: dict[str, Any] = {k: doc[k] for k in ("case", "model", "route", "dtype", "batch", "seq")}
+    if size is not None:
+        row.update(batch=size[0], seq=size[1], case=f"{doc['case']}@b{size[0]}_s{size[1]}")
+        row["dynamic"] = doc["dynamic"]
+        row["static_case"] = static_case(doc["model"], *size)
     row["arch"] = doc.get("arch", "sm_90")
     row.update(sites=doc["sites"], fused_stacked=doc["fused_stacked"], variants=doc["variants"])
     row.update(
@@ -230,7 +266,7 @@ def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = False
     model = build_model(doc["model"])
     row["weights_identical"] = state_digest(model) == doc["state_sha256"]
-    ids = example_ids(doc["model"], doc["batch"], doc["seq"]).cuda()
+    ids = example_ids(doc["model"], row["batch"], row["seq"]).cuda()
     state = {k: v for k, v in model.state_dict().items()}
     extra = {}
     if (case_dir / "extra_params.npz").exists():
@@ -283,9 +319,11 @@ def check_one(case_dir: Path, deadline: float) -> dict[str, Any]:
     with torch.no_grad():
         row["eager_us"] = _time_cuda(lambda: run_model(ids), torch)
         row["stackfuse_us"] = _time_cuda(ours, torch)
-        if doc["batch"] * doc["seq"] >= 2048:  # whole models at real sizes
+        if row["batch"] * row["seq"] >= 2048:  # whole models at real sizes
             breakdown["stackfuse"] = gpu_breakdown(ours, torch)
             breakdown["eager"] = gpu_breakdown(lambda: run_model(ids), torch)
+        if size is not None:  # the peers were timed at this size in the static row
+            return row
         way, mode = COMPILE_MODES[0]
         _time_compiled(row, way, mode, run_model, ids, deadline, torch)
     _speedups(row)
@@ -368,21 +406,26 @@ def check(root: Path, out: Path, budget_s: float = 200.0, cases: list[str] | Non
     for case_dir in sorted(p for p in root.iterdir() if (p / "case.json").exists()):
         if cases and case_dir.name not in cases:
             continue
-        try:
-            row = check_one(case_dir, deadline)
-        except Exception as exc:  # every case reported, crashes included
-            row = {"case": case_dir.name, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        # written after every case: a run cut short keeps the cases it finished
-        doc["passed"] = sum(bool(r.get("passed")) for r in rows)
-        doc["total"] = len(rows)
-        (out / "models_gpu.json").write_text(json.dumps(doc, indent=2))
-        (out / "models_gpu.md").write_text(to_markdown(doc))
+        runs = json.loads((case_dir / "case.json").read_text()).get("runs") or [None]
+        for size in runs:
+            name = case_dir.name if size is None else f"{case_dir.name}@b{size[0]}_s{size[1]}"
+            try:
+                row = check_one(case_dir, deadline, None if size is None else tuple(size))
+            except Exception as exc:  # every case reported, crashes included
+                row = {"case": name, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            # written after every case: a run cut short keeps the cases it finished
+            vs_static(rows)
+            doc["passed"] = sum(bool(r.get("passed")) for r in rows)
+            doc["total"] = len(rows)
+            (out / "models_gpu.json").write_text(json.dumps(doc, indent=2))
+            (out / "models_gpu.md").write_text(to_markdown(doc))
     for row in rows:
         case_dir = root / row["case"]
         if (
             row.get("passed")
+            and "@" not in row["case"]  # a dynamic run's peers are its static case's
             and row.get("arch", "sm_90") == "sm_90"
             and len(COMPILE_MODES) > 1
             and time.monotonic() < deadline
@@ -396,6 +439,15 @@ def check(root: Path, out: Path, budget_s: float = 200.0, cases: list[str] | Non
             (out / "models_gpu.md").write_text(to_markdown(doc))
     print(f"{doc['passed']}/{doc['total']} passed")
     return 0 if doc["passed"] == doc["total"] else 1
+
+
+def vs_static(rows: list[dict[str, Any]]) -> None:
+    """Each dynamic row's ``vs_static``: its static case's library time over its own."""
+    by_case = {r["case"]: r for r in rows}
+    for r in rows:
+        ref = by_case.get(r.get("static_case") or "")
+        if ref and ref.get("stackfuse_us") and r.get("stackfuse_us"):
+            r["vs_static"] = round(ref["stackfuse_us"] / r["stackfuse_us"], 3)
 
 
 #: the ways timed, in table order: (result key prefix, column title)
@@ -467,6 +519,33 @@ def to_markdown(doc: dict[str, Any]) -> str:
                 "",
             ]
             lines += [f"- {t['us']:.1f} ({t['calls']} calls): `{t['kernel']}`" for t in top]
+    dynamic = [r for r in doc["results"] if "static_case" in r]
+    if dynamic:
+        lines += [
+            "",
+            "Dynamic shapes: one library per model, built for the bounds, run at each size, "
+            "against the static library built for that size (vs static: static time over "
+            "dynamic; >= 0.97 is within 3%):",
+            "",
+            "| run | bounds | static case | rel err | passed | dynamic ms | static ms | "
+            "vs static |",
+            "|" + "---|" * 8,
+        ]
+        by_case = {r["case"]: r for r in doc["results"]}
+        for r in dynamic:
+            bounds = ", ".join(f"{d['name']} <= {d['upper_bound']}" for d in r.get("dynamic", []))
+            ref = by_case.get(r.get("static_case") or "", {})
+            cells = [
+                r["case"],
+                bounds or "-",
+                r.get("static_case") or "-",
+                f"{r['rel_error']:.3g}" if "rel_error" in r else "-",
+                str(r.get("passed")),
+                f"{r['stackfuse_us'] / 1e3:.2f}" if r.get("stackfuse_us") else "-",
+                f"{ref['stackfuse_us'] / 1e3:.2f}" if ref.get("stackfuse_us") else "-",
+                f"{r['vs_static']:.3f}" if r.get("vs_static") else "-",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     for r in doc["results"]:
         for key in ("error", "torch_compile_error", "torch_compile_max_autotune_error"):
             if r.get(key):

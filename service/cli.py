@@ -253,6 +253,17 @@ def _problem_text(response: Any) -> str:
         return f"HTTP {response.status_code}"
 
 
+def _too_large_hint(response: Any, text: str) -> str:
+    """For a body the API refused unread (413 payload-too-large): the module's largest
+    constants, read here from the JSON, so the user knows what to shrink."""
+    if response.status_code != 413 or "largest_constants" in response.text:
+        return ""
+    from service.wire import constant_text, largest_constants
+
+    biggest = largest_constants(text, 3)
+    return f"; largest constants: {'; '.join(map(constant_text, biggest))}" if biggest else ""
+
+
 class _Bar:
     """A one-line progress bar on stderr (a plain line per stage when not a terminal)."""
 
@@ -304,7 +315,7 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             r = client.post("/optimize", json=body, headers=headers)
             if r.status_code != 202:
                 code = EXIT_INPUT if r.status_code < 500 else EXIT_INFRA
-                return _fail(_problem_text(r), code)
+                return _fail(_problem_text(r) + _too_large_hint(r, text), code)
             job = r.json()
             print(
                 f"job {job['id']} {job['status']}{' (cached)' if job['cached'] else ''}: "

@@ -518,6 +518,8 @@ class _Graph:
         self.depth: list[int] = []
         self.counts = _Counts()
         self._checked: set[tuple[int, int]] = set()
+        #: (node, shape, dtype, bytes) of every constant seen
+        self.constants: list[tuple[int, list[int], str, int]] = []
 
     # -- entry --------------------------------------------------------------------------------
     def check(self) -> _Counts:
@@ -551,7 +553,10 @@ class _Graph:
         if not isinstance(meta.get("tvm_version", ""), str):
             raise InputError("'metadata.tvm_version' must be a string")
         for i, node in enumerate(nodes):
-            self._node(i, node)
+            try:
+                self._node(i, node)
+            except _ConstantsOverLimit:
+                raise self._constants_too_large(nodes, i) from None
         if self.types[root] != "ir.IRModule":
             raise InputError(
                 f"the root node is a {show(self.types[root])}, expected an ir.IRModule",
@@ -854,6 +859,35 @@ class _Graph:
         ):
             raise InputError(f"node {i} (ir.IRModule): its function tables disagree", node=i)
 
+    def _constants_too_large(self, nodes: list[Any], at: int) -> LimitExceeded:
+        """The max_constant_bytes 413, naming the module's largest constants: each one's
+        shape, dtype, bytes and the variable bound to the expression that uses it.
+
+        Node ``at`` took the total over the limit; the nodes after it are read loosely (the
+        headers of their tensors, the references of the rest), without decoding a payload,
+        so the answer covers the whole module and costs one more pass over its JSON."""
+        for i in range(at + 1, len(nodes)):
+            node = nodes[i]
+            if isinstance(node, dict) and node.get("type") == "ffi.Tensor":
+                info = _tensor_header(node.get("data"), self.settings.max_tensor_rank)
+                if info is not None:
+                    self.constants.append((i, *info))
+        total = sum(c[3] for c in self.constants)
+        largest = _describe_constants(nodes, self.constants, LARGEST_CONSTANTS)
+        named = "; ".join(constant_text(c) for c in largest)
+        limit = self.settings.max_constant_bytes
+        return LimitExceeded(
+            f"constants exceed the size limit: {total} bytes in {len(self.constants)} "
+            f"constant(s); the limit is {limit} (setting max_constant_bytes); largest: {named}. "
+            "Make weights function parameters (stackfuse import keeps them out of the JSON) or "
+            "shrink these",
+            setting="max_constant_bytes",
+            limit=limit,
+            actual=total,
+            node=at,
+            largest_constants=largest,
+        )
+
     def _static_int(self, r: int) -> int | None:
         if self.types[r] != "ir.IntImm":
             return None
@@ -905,14 +939,123 @@ class _Graph:
                 node=i,
             )
         self.counts.constant_bytes += nbytes
+        self.constants.append((i, dims, dtype, nbytes))
         if self.counts.constant_bytes > self.settings.max_constant_bytes:
-            _limit(
-                "constants exceed the size limit",
-                "max_constant_bytes",
-                self.settings,
-                self.counts.constant_bytes,
-                i,
-            )
+            raise _ConstantsOverLimit
+
+
+#: how many constants the max_constant_bytes 413 names
+LARGEST_CONSTANTS = 5
+#: the highest rank :func:`largest_constants` reads a tensor header at (it has no settings)
+_READ_RANK = 64
+
+
+def _size_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+class _ConstantsOverLimit(Exception):
+    """Raised inside the node pass when the constants' total passes max_constant_bytes."""
+
+
+def _tensor_header(data: Any, max_rank: int) -> tuple[list[int], str, int] | None:
+    """(shape, dtype, data bytes) from a tensor blob's header, or None if it cannot be read."""
+    if not isinstance(data, str):
+        return None
+    head = data[: 4 * ((_TENSOR_HEADER + 8 * max_rank + 2) // 3 + 1)]
+    try:
+        blob = base64.b64decode(head[: len(head) - len(head) % 4], validate=True)
+        ndim, code, bits = struct.unpack_from("<iBB", blob, 24)
+        if not 0 <= ndim <= max_rank:
+            return None
+        dims = list(struct.unpack_from(f"<{ndim}q", blob, _TENSOR_HEADER))
+        (nbytes,) = struct.unpack_from("<q", blob, _TENSOR_HEADER + 8 * ndim)
+    except (binascii.Error, ValueError, struct.error):
+        return None
+    return dims, _DL_CODES.get((code, bits), f"code{code}/{bits}"), int(nbytes)
+
+
+def _loose_refs(node: Any, n: int) -> list[int]:
+    """The node indices ``node`` refers to, read without trusting it (for naming only)."""
+    if not isinstance(node, dict):
+        return []
+    kind, data = node.get("type"), node.get("data")
+    if isinstance(data, list) and kind in ("ffi.Array", "ffi.Map"):
+        refs = data
+    elif isinstance(data, dict) and isinstance(kind, str):
+        refs = [data.get(f) for f in _ref_fields(kind)]
+    else:
+        return []
+    return [r for r in refs if type(r) is int and 0 <= r < n]
+
+
+def largest_constants(text: str | bytes, n: int = LARGEST_CONSTANTS) -> list[dict[str, Any]]:
+    """The ``n`` largest constants of a TVM JSON module, largest first, each as ``{"name",
+    "op", "shape", "dtype", "bytes"}`` (``name``: the variable bound to the expression using
+    it; ``op``: the operator it is an argument of). Read from the JSON alone (tensor headers,
+    no payload decoded, no TVM), for a module too large to send: ``[]`` if it is not TVM JSON.
+    """
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return []
+    nodes = doc.get("nodes") if isinstance(doc, dict) else None
+    if not isinstance(nodes, list):
+        return []
+    found = []
+    for i, node in enumerate(nodes):
+        if isinstance(node, dict) and node.get("type") == "ffi.Tensor":
+            info = _tensor_header(node.get("data"), _READ_RANK)
+            if info is not None:
+                found.append((i, *info))
+    return _describe_constants(nodes, found, n)
+
+
+def constant_text(c: dict[str, Any]) -> str:
+    """One entry of :func:`largest_constants` for a message."""
+    used = f" used by {c['op']}" if c.get("op") else ""
+    name = f" in {show(c['name'])}" if c.get("name") else ""
+    return f"{c['shape']} {c['dtype']} ({_size_text(c['bytes'])}){used}{name}"
+
+
+def _describe_constants(
+    nodes: list[Any], found: list[tuple[int, list[int], str, int]], n: int
+) -> list[dict[str, Any]]:
+    parents: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        for r in _loose_refs(node, len(nodes)):
+            parents.setdefault(r, i)
+    out: list[dict[str, Any]] = []
+    for i, dims, dtype, nbytes in sorted(found, key=lambda c: -c[3])[:n]:
+        name, op = _user_of(nodes, parents, i)
+        out.append({"name": name, "op": op, "shape": dims, "dtype": dtype, "bytes": nbytes})
+    return out
+
+
+def _user_of(nodes: list[Any], parents: dict[int, int], i: int) -> tuple[str, str]:
+    """(the variable bound to the expression holding node ``i``, the operator of the first
+    call above it); "" where there is none."""
+
+    def field(node: Any, key: str) -> Any:
+        data = node.get("data") if isinstance(node, dict) else None
+        ref = data.get(key) if isinstance(data, dict) else None
+        return nodes[ref] if type(ref) is int and 0 <= ref < len(nodes) else None
+
+    def text(node: Any) -> str:
+        value = node.get("data") if isinstance(node, dict) else None
+        return value[:64] if isinstance(value, str) else ""
+
+    op = ""
+    seen: set[int] = set()
+    while i in parents and i not in seen:
+        seen.add(i)
+        i = parents[i]
+        kind = nodes[i].get("type")
+        if kind == "ir.Call" and not op:
+            op = text(field(nodes[i], "op"))
+        if kind in ("relax.expr.VarBinding", "relax.expr.MatchCast"):
+            return text(field(field(nodes[i], "var"), "name")), op
+    return "", op
 
 
 def _rename_unsafe_vars(doc: dict[str, Any], graph: _Graph) -> int:

@@ -108,3 +108,35 @@ def test_the_gemm_table_names_the_best_tile_and_the_geomean() -> None:
     md = gemm_bench.to_markdown(doc)
     assert "1.000x (t1)" in md and "4.000x (t2)" in md
     assert "geometric mean 2.000x, minimum 1.000x over 2 rows" in md
+
+
+def test_dynamic_runs_sit_beside_their_static_case_with_the_ratio() -> None:
+    assert models_gpu.static_case("gpt2_small", 8, 512) == "gpt2_small_b8_s512"
+    bounds, runs = models_gpu.DYNAMIC["gpt2_small_dynamic"]
+    assert bounds == {"batch": 8, "seq": 1024}
+    assert all(models_gpu.static_case("gpt2_small", b, s) for b, s in runs)
+    dims = [{"name": "batch", "upper_bound": 8}, {"name": "seq", "upper_bound": 1024}]
+    rows = [
+        _model_row(case="gpt2_small_b8_s512", stackfuse_us=2000.0),
+        _model_row(
+            case="gpt2_small_dynamic@b8_s512",
+            static_case="gpt2_small_b8_s512",
+            dynamic=dims,
+            stackfuse_us=2050.0,
+        ),
+    ]
+    models_gpu.vs_static(rows)
+    assert rows[1]["vs_static"] == round(2000 / 2050, 3)
+    doc = {
+        "device": "NVIDIA H200",
+        "date": "2026-12-04",
+        "command": "c",
+        "timing": "t",
+        "reference": "r",
+        "results": rows,
+    }
+    md = models_gpu.to_markdown(doc)
+    assert (
+        "| gpt2_small_dynamic@b8_s512 | batch <= 8, seq <= 1024 | gpt2_small_b8_s512 | 0.0015 "
+        "| True | 2.05 | 2.00 | 0.976 |"
+    ) in md

@@ -324,7 +324,8 @@ def analyze(
             "static_weight",
             "static N and K",
             f"N={n_dim}, K={k_dim}",
-            "the weight's extents must be static (a batch or sequence dim may be symbolic)",
+            f"the weight's extents must be static, and its shape is {_labels(w_shape)} (a "
+            "batch or sequence dim of the activation may be symbolic)",
         )
         return an
     align = align_elems(dtype)

@@ -38,7 +38,9 @@ FORMATS = ("tvm-json", "tvmscript")
 
 #: Function attributes a client may set. Anything else (``Codegen``, ``Composite``,
 #: ``Primitive``, ``relax.*`` pass markers...) would steer partitioning or code generation.
-ALLOWED_FUNCTION_ATTRS = frozenset({"global_symbol", "num_input"})
+#: ``tir_var_upper_bound`` (symbolic dim name -> bound) is what TVM's memory planning sizes
+#: buffers of a dynamic-shape module from (``stackfuse import --dynamic`` writes it).
+ALLOWED_FUNCTION_ATTRS = frozenset({"global_symbol", "num_input", "tir_var_upper_bound"})
 
 _MAX_MESSAGE = 600
 
@@ -120,7 +122,7 @@ def _check_ir(mod: tvm_types.IRModule, settings: Settings) -> None:
                 function=name[:80],
             )
         _check_code_name(name, "function name")
-        _check_function_attrs(func, name)
+        _check_function_attrs(func, name, settings)
     seen_symbols: set[str] = set()
     for name, func in functions.items():
         symbol = func.attrs.get("global_symbol") if func.attrs is not None else None
@@ -144,7 +146,7 @@ def _check_code_name(name: str, what: str) -> None:
         )
 
 
-def _check_function_attrs(func: Any, name: str) -> None:
+def _check_function_attrs(func: Any, name: str, settings: Settings) -> None:
     attrs = func.attrs
     if attrs is None:
         return
@@ -162,6 +164,9 @@ def _check_function_attrs(func: Any, name: str) -> None:
         if not isinstance(symbol, str):
             raise InputError(f"function {wire.show(name)}: global_symbol must be a string")
         _check_code_name(str(symbol), "global_symbol")
+    bounds = attrs.get("tir_var_upper_bound")
+    if bounds is not None:
+        _check_upper_bounds(func, name, bounds, settings)
     num_input = attrs.get("num_input")
     if num_input is not None:
         try:
@@ -170,6 +175,32 @@ def _check_function_attrs(func: Any, name: str) -> None:
             count = -1
         if not 0 <= count <= len(func.params):
             raise InputError(f"function {wire.show(name)}: num_input must be 0..{len(func.params)}")
+
+
+def _check_upper_bounds(func: Any, name: str, bounds: Any, settings: Settings) -> None:
+    """``tir_var_upper_bound``: a map from the function's own symbolic dims to positive ints
+    (TVM plans memory from them; a missing or wrong one would size buffers wrongly)."""
+    from tvm import relax
+
+    try:
+        items = [(str(k), int(v)) for k, v in bounds.items()]
+    except (AttributeError, TypeError, ValueError):
+        raise InputError(
+            f"function {wire.show(name)}: tir_var_upper_bound must map symbolic dim names to "
+            "integers"
+        ) from None
+    dims = {str(v.name) for v in relax.analysis.defined_symbolic_vars(func)}
+    for key, bound in items:
+        if key not in dims:
+            raise InputError(
+                f"function {wire.show(name)}: tir_var_upper_bound names {wire.show(key)}, "
+                "which is not a symbolic dim of its parameters"
+            )
+        if not 1 <= bound <= settings.max_dim:
+            raise InputError(
+                f"function {wire.show(name)}: tir_var_upper_bound of {wire.show(key)} is "
+                f"{bound}; it must be 1..{settings.max_dim}"
+            )
 
 
 @dataclass

@@ -273,8 +273,8 @@ def _split_bounds(
             an.fail(
                 "static_feature_dim",
                 "static",
-                "symbolic",
-                f"the split axis is symbolic; {what} fusion needs it static",
+                dim_label(width),
+                f"the split axis is symbolic ({dim_label(width)}); {what} fusion needs it static",
             )
             return None
         return [0, c // 3, 2 * (c // 3), c]
@@ -291,8 +291,8 @@ def _split_bounds(
         an.fail(
             "static_feature_dim",
             "static",
-            "symbolic",
-            f"the split axis is symbolic; {what} fusion needs it static",
+            dim_label(width),
+            f"the split axis is symbolic ({dim_label(width)}); {what} fusion needs it static",
         )
         return None
     return [0, idx[0], idx[1], c]
@@ -402,8 +402,9 @@ def _check_common(
             an.fail(
                 "static_head_dims",
                 "static",
-                f"{label} symbolic",
-                f"{label} is symbolic; kernels are specialised on head counts and head dims",
+                f"{label} = {dim_label(d)}",
+                f"{label} is symbolic ({dim_label(d)}); kernels are specialised on head counts "
+                "and head dims (batch and sequence may be symbolic)",
             )
             return None
     nq_i, nkv_i, h_i, hk_i, hv_i = (int(x) for x in (nq, nkv, h, hk, hv))
@@ -719,7 +720,8 @@ def _interleaved_columns(
         if rank == 5:
             h = dim_value(qkv_shape[4])
             if not isinstance(h, int):
-                an.fail("static_feature_dim", "static", "symbolic", "head dim is symbolic")
+                what = dim_label(qkv_shape[4])
+                an.fail("static_feature_dim", "static", what, f"head dim is symbolic ({what})")
                 return None
             cols = {r: c * h for r, c in cols.items()}
         return cols

@@ -28,6 +28,7 @@ from service.settings import Settings, get_settings
 from service.spec import CompileOptions, Target, toolchain_versions
 from worker.kernel_source import CompiledKernel
 from worker.report import (
+    DynamicDim,
     KernelChoice,
     Library,
     Report,
@@ -139,6 +140,7 @@ def compile_module(
             mod = load_module(payload, fmt, settings)
         from worker import (
             build,
+            dynamic,
             gemm_families,
             gemm_partition,
             lift,
@@ -149,6 +151,8 @@ def compile_module(
             validate,
         )
 
+        if "main" in [gv.name_hint for gv in mod.get_global_vars()]:
+            report.dynamic = [DynamicDim(**d) for d in dynamic.describe(mod["main"])]
         say("normalize")
         with timed("normalize"):
             if options.normalize:

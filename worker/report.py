@@ -240,11 +240,28 @@ class Validation(BaseModel):
     )
 
 
+class DynamicDim(BaseModel):
+    """A symbolic dim of the module's inputs (``stackfuse import --dynamic``): the library
+    takes any extent up to ``upper_bound`` at run time."""
+
+    name: str = Field(description="The dim's name in the module: batch, seq.")
+    upper_bound: int | None = Field(
+        default=None, description="tir_var_upper_bound; memory is planned for this extent."
+    )
+    inputs: list[str] = Field(
+        default_factory=list, description="Where it appears: 'input[axis]', e.g. 'ids[1]'."
+    )
+
+
 class Report(BaseModel):
     schema_version: int = SCHEMA_VERSION
     input_sha256: str
     target: dict[str, str]
     toolchain: dict[str, str] = Field(default_factory=dict)
+    dynamic: list[DynamicDim] = Field(
+        default_factory=list,
+        description="The inputs' symbolic dims and their bounds; empty for a static module.",
+    )
     normalizations: list[Rewrite] = Field(default_factory=list)
     matches: list[Match] = Field(default_factory=list)
     check_failures: list[CheckFailure] = Field(default_factory=list)
