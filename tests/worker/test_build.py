@@ -198,9 +198,11 @@ def test_validation_compares_with_a_tvm_only_reference_the_pipeline_builds(
         params: list[dict[str, object]],
         settings: Settings,
         work: Path,
+        tolerance: dict[str, float] | None = None,
     ) -> Validation:
         seen.append(
             {
+                "tolerance": tolerance,
                 "library": library,
                 "reference_exists": reference.exists(),
                 "reference_report": json.loads((reference.parent / REPORT_NAME).read_text()),
@@ -223,6 +225,7 @@ def test_validation_compares_with_a_tvm_only_reference_the_pipeline_builds(
     assert call["params"] == validate.signature(mod["main"])
     assert call["params"] == [{"shape": [4, 8, 5120], "dtype": "float16", "weight": False}]
     assert not Path(call["work"]).exists()  # a temporary directory
+    assert call["tolerance"] == validate.tolerances(CompileOptions())
     assert validate.reference_options(CompileOptions()).model_dump() == {
         **CompileOptions().model_dump(),
         "fuse_stacked": False,
