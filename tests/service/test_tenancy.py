@@ -8,6 +8,7 @@ queue: jobs stay queued, which is what the quota, list and cancel tests need.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -201,3 +202,52 @@ def test_metrics_need_an_admin_key(keyed_api: ApiProcess, keys: dict[str, Any]) 
         assert_problem(c.get("/metrics"), 403, "forbidden")
     with as_(keyed_api, keys["admin"]) as c:
         assert c.get("/metrics").status_code == 200
+
+
+@pytest.mark.slow
+def test_cancel_of_a_running_job_stops_its_work_horse(
+    start_api: Callable[..., ApiProcess],
+    keyed_env: dict[str, str],
+    fault_plan_file: Any,
+    redis_server: RedisServer,
+    tmp_path: Any,
+) -> None:
+    """A real worker; the job stalls mid-compile (fault injection) until cancelled."""
+    import hashlib
+
+    from tests.conftest import WorkerPool, add_fault, pid_alive, wait_for
+    from tests.service.reshape import fresh_reshape
+
+    env = {**keyed_env, "STACKFUSE_QUEUE_NAME": "tenancy-run"}
+    api = start_api(**{k: v for k, v in env.items() if k.startswith("STACKFUSE_")})
+    pool = WorkerPool(env, tmp_path, env["STACKFUSE_REDIS_URL"])
+    key = make_key(env, "run-t")
+    module = fresh_reshape()
+    add_fault(fault_plan_file, hashlib.sha256(module.encode()).hexdigest(), sleep_s=120)
+    r = redis_server.client()
+    r.execute_command("SELECT", 1)
+    try:
+        pool.ensure(1)
+        with as_(api, key) as c:
+            job_id = c.post("/optimize", json={"module": module}).json()["id"]
+
+            def stalled() -> dict[str, str] | None:
+                rec = {
+                    k.decode(): v.decode() for k, v in r.hgetall(f"stackfuse:job:{job_id}").items()
+                }
+                return (
+                    rec
+                    if rec.get("status") == "running" and rec.get("stage") == "normalize"
+                    else None
+                )
+
+            horse = int(wait_for(stalled, 120, "the job to stall mid-compile")["pid"])
+            done = c.delete(f"/jobs/{job_id}")
+            assert done.status_code == 202 and done.json()["status"] == "cancelled"
+            wait_for(lambda: not pid_alive(horse), 30, "the work-horse to be stopped")
+            assert pool.workers[0].alive()  # the worker itself serves on
+            time.sleep(2)
+            job = c.get(f"/jobs/{job_id}").json()
+            assert job["status"] == "cancelled" and job["attempts"] == 1  # not retried
+    finally:
+        pool.stop_all()
