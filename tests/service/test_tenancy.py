@@ -251,3 +251,33 @@ def test_cancel_of_a_running_job_stops_its_work_horse(
             assert job["status"] == "cancelled" and job["attempts"] == 1  # not retried
     finally:
         pool.stop_all()
+
+
+@pytest.mark.slow
+def test_a_cache_hit_is_not_revealed_across_tenants(
+    start_api: Callable[..., ApiProcess],
+    keyed_env: dict[str, str],
+    tmp_path: Any,
+) -> None:
+    """Tenant a's second submission is a cache hit; tenant b's identical one compiles."""
+    from tests.conftest import WorkerPool, wait_job
+    from tests.service.reshape import fresh_reshape
+
+    env = {**keyed_env, "STACKFUSE_QUEUE_NAME": "tenancy-cache"}
+    api = start_api(**{k: v for k, v in env.items() if k.startswith("STACKFUSE_")})
+    pool = WorkerPool(env, tmp_path, env["STACKFUSE_REDIS_URL"])
+    ka, kb = make_key(env, "cache-a"), make_key(env, "cache-b")
+    module = fresh_reshape()
+    try:
+        pool.ensure(1)
+        with as_(api, ka) as a, as_(api, kb) as b:
+            first = a.post("/optimize", json={"module": module}).json()
+            assert wait_job(a, first["id"], timeout=180)["status"] == "succeeded"
+            again = a.post("/optimize", json={"module": module}).json()
+            assert again["cached"] is True and again["status"] == "succeeded"
+            other = b.post("/optimize", json={"module": module}).json()
+            assert other["cached"] is False and other["status"] == "queued"
+            done = wait_job(b, other["id"], timeout=180)
+            assert done["status"] == "succeeded" and done["cached"] is False
+    finally:
+        pool.stop_all()
