@@ -281,3 +281,23 @@ def test_a_cache_hit_is_not_revealed_across_tenants(
             assert done["status"] == "succeeded" and done["cached"] is False
     finally:
         pool.stop_all()
+
+
+def test_stored_bytes_quota_is_a_429_with_retry_after(
+    start_api: Callable[..., ApiProcess], keyed_env: dict[str, str], module_json: str
+) -> None:
+    """A cancelled job's stored module counts against its tenant's bytes; past the limit
+    POST /optimize is refused, and another tenant is not."""
+    over = {k: v for k, v in keyed_env.items() if k.startswith("STACKFUSE_")}
+    api = start_api(**over, STACKFUSE_TENANT_MAX_STORED_BYTES="1")
+    full, other = make_key(keyed_env, "bytes-t"), make_key(keyed_env, "bytes-u")
+    with as_(api, full) as c, as_(api, other) as d:
+        job_id = submit(c, module_json).json()["id"]
+        assert c.delete(f"/jobs/{job_id}").status_code == 202
+        refused = submit(c, module_json)
+        problem = assert_problem(refused, 429, "quota-exceeded")
+        assert problem["quota"] == "stored_bytes" and problem["stored"] > 1
+        assert int(refused.headers["retry-after"]) > 0
+        ok = submit(d, module_json)
+        assert ok.status_code == 202
+        d.delete(f"/jobs/{ok.json()['id']}")
