@@ -8,14 +8,14 @@ per request on the common paths, a large body is decoded and checked in a child 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from http import HTTPStatus
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.security import HTTPBearer
 from starlette.requests import ClientDisconnect
 
-from service import intake, jobs
+from service import intake, jobs, tenancy
 from service.errors import (
     InfrastructureError,
     NotFound,
@@ -24,8 +24,8 @@ from service.errors import (
     UnsupportedMediaType,
 )
 from service.intake import Offload, Spool
-from service.problems import PROBLEM_MEDIA_TYPE
-from service.schemas import TERMINAL, Health, JobView, OptimizeRequest, Problem
+from service.problems import openapi_problems
+from service.schemas import TERMINAL, Health, JobList, JobView, OptimizeRequest
 from service.settings import Settings, redact_url
 from service.state import AppState
 
@@ -39,24 +39,23 @@ async def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
+#: Declares the Bearer scheme in OpenAPI; the header itself is read by :func:`_caller`.
+_bearer = HTTPBearer(auto_error=False, description="An API key (`stackfuse keys create`).")
+
+
+async def _caller(request: Request, _scheme: Annotated[object, Depends(_bearer)]) -> tenancy.Caller:
+    state: AppState = request.app.state.stackfuse
+    return await state.auth.caller(request.headers.get("authorization"))
+
+
 StateDep = Annotated[AppState, Depends(_state)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
+CallerDep = Annotated[tenancy.Caller, Depends(_caller)]
 
 router = APIRouter()
 
 
-_PROBLEM_SCHEMA = Problem.model_json_schema()
-
-
-def _problems(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """Error responses as they are sent: ``application/problem+json`` only."""
-    return {
-        c: {
-            "description": HTTPStatus(c).phrase,
-            "content": {PROBLEM_MEDIA_TYPE: {"schema": _PROBLEM_SCHEMA}},
-        }
-        for c in codes
-    }
+_problems = openapi_problems
 
 
 def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +129,7 @@ def _offload(request: Request, settings: Settings) -> Offload:
     status_code=202,
     response_model=JobView,
     summary="Submit a module for optimization",
-    responses=_problems(400, 408, 413, 415, 422, 431, 503),
+    responses=_problems(400, 401, 408, 413, 415, 422, 429, 431, 503),
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -149,7 +148,7 @@ def _offload(request: Request, settings: Settings) -> Offload:
         ],
     },
 )
-async def optimize(request: Request, state: StateDep) -> Response:
+async def optimize(request: Request, state: StateDep, caller: CallerDep) -> Response:
     """Validate cheaply, answer from the compile cache if possible, else enqueue a compile."""
     settings = state.settings
     _check_media_type(request)
@@ -171,7 +170,14 @@ async def optimize(request: Request, state: StateDep) -> Response:
         spool.close()
 
     record, replayed = await jobs.submit(
-        state.redis, state.queue, state.store, settings, sub, module_bytes, idem
+        state.redis,
+        state.queue,
+        state.store,
+        settings,
+        sub.for_tenant(caller.tenant),
+        module_bytes,
+        idem,
+        tenancy.Quota.for_caller(caller, settings),
     )
     headers = {"Location": f"/jobs/{record['id']}"}
     if replayed:
@@ -179,24 +185,65 @@ async def optimize(request: Request, state: StateDep) -> Response:
     return _job_response(record, settings, 202, headers)
 
 
-async def _record(state: AppState, job_id: str) -> dict[str, str]:
+async def _record(state: AppState, job_id: str, caller: tenancy.Caller) -> dict[str, str]:
+    """The caller's job; another tenant's is answered exactly like an unknown id."""
     if not jobs.is_job_id(job_id):
         raise NotFound(f"there is no job {job_id[:64]!r}")
     raw = await state.redis.hgetall(jobs.record_key(job_id))
-    if not raw:
+    record = jobs.decode(raw) if raw else None
+    if record is None or jobs.record_tenant(record) != caller.tenant:
         raise NotFound(f"there is no job {job_id} (unknown, or expired)")
-    return jobs.decode(raw)
+    return record
+
+
+@router.get(
+    "/jobs",
+    response_model=JobList,
+    summary="The caller's jobs, newest first",
+    responses=_problems(401, 422, 503),
+)
+async def list_jobs(
+    state: StateDep,
+    caller: CallerDep,
+    limit: Annotated[int, Query(ge=1, le=jobs.LIST_MAX)] = jobs.LIST_DEFAULT,
+    cursor: Annotated[str | None, Query(max_length=256)] = None,
+) -> Response:
+    """One page; pass ``next_cursor`` as ``cursor`` for the next (null on the last page)."""
+    records, next_cursor = await jobs.list_jobs(state.redis, caller.tenant, limit, cursor)
+    body = {
+        "jobs": [jobs.view(r).model_dump(mode="json", by_alias=True) for r in records],
+        "next_cursor": next_cursor,
+    }
+    return JSONResponse(body)
+
+
+@router.delete(
+    "/jobs/{job_id}",
+    status_code=202,
+    response_model=JobView,
+    summary="Cancel a queued or running job",
+    responses=_problems(401, 404, 409, 422, 503),
+)
+async def cancel_job(job_id: str, state: StateDep, caller: CallerDep) -> Response:
+    """A queued job leaves the queue; a running one's work-horse is stopped. Either way the job
+    is ``cancelled`` at once (202); a finished one is a 409."""
+    import anyio
+
+    record = await _record(state, job_id, caller)
+    record = await jobs.cancel(state.redis, state.settings, state.store, record)
+    await anyio.to_thread.run_sync(jobs.stop_rq_job, state.sync_redis, state.settings, job_id)
+    return _job_response(record, state.settings, 202)
 
 
 @router.get(
     "/jobs/{job_id}",
     response_model=JobView,
     summary="Job status",
-    responses=_problems(404, 422, 503),
+    responses=_problems(401, 404, 422, 503),
 )
-async def get_job(job_id: str, state: StateDep) -> Response:
+async def get_job(job_id: str, state: StateDep, caller: CallerDep) -> Response:
     """Status, stage and progress; links to the artifact and report once there."""
-    return _job_response(await _record(state, job_id), state.settings)
+    return _job_response(await _record(state, job_id, caller), state.settings)
 
 
 def _not_ready(record: dict[str, str], what: str, settings: Settings) -> NotReady:
@@ -238,20 +285,21 @@ def _serve_object(
     responses={
         200: {"content": {"application/octet-stream": {}}, "description": "the .so"},
         304: {"description": "If-None-Match matched the ETag (the library's sha256)"},
-        **_problems(404, 409, 422, 503),
+        **_problems(401, 404, 409, 422, 503),
     },
 )
 async def get_artifact(
     job_id: str,
     state: StateDep,
+    caller: CallerDep,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
-    record = await _record(state, job_id)
+    record = await _record(state, job_id, caller)
     if record["status"] != "succeeded":
-        if record["status"] == "failed":
+        if record["status"] in ("failed", "cancelled"):
             raise NotReady(
-                f"job {job_id} failed; it has no artifact (see its error and report)",
-                status_of_job="failed",
+                f"job {job_id} {record['status']}; it has no artifact",
+                status_of_job=record["status"],
             )
         raise _not_ready(record, "artifact", state.settings)
     sha = record["artifact_sha256"]
@@ -266,20 +314,23 @@ async def get_artifact(
     response_class=Response,
     responses={
         200: {"content": {"application/json": {}}, "description": "worker.report.Report"},
-        **_problems(404, 409, 422, 503),
+        **_problems(401, 404, 409, 422, 503),
     },
 )
 async def get_report(
     job_id: str,
     state: StateDep,
+    caller: CallerDep,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """Also served for failed jobs when partitioning ran (then ``error`` is set in it)."""
-    record = await _record(state, job_id)
+    record = await _record(state, job_id, caller)
     sha = record.get("report_sha256")
     if not sha:
-        if record["status"] == "failed":
-            raise NotFound(f"job {job_id} failed before partitioning ran, so it has no report")
+        if record["status"] in ("failed", "cancelled"):
+            raise NotFound(
+                f"job {job_id} {record['status']} before partitioning ran, so it has no report"
+            )
         raise _not_ready(record, "report", state.settings)
     if record.get("cached") == "1":
         return _cached_report(state, record, sha, if_none_match)

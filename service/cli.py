@@ -123,6 +123,7 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         print(f"stackfuse serve: using the Redis already at {redis_shown}", file=sys.stderr)
     host = args.host or settings.api_host
     url = f"http://{host}:{args.port or settings.api_port}"
+    _say_auth_mode(settings, host)
     print(f"stackfuse serve: data dir {settings.data_dir}", file=sys.stderr)
     print(
         f"stackfuse serve: API at {url} (`stackfuse submit` finds it; from elsewhere: "
@@ -156,6 +157,115 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         _stop(worker, settings.shutdown_grace_s, "worker")
         if redis_proc is not None:
             _stop(redis_proc, 10.0, "redis-server")
+    return EXIT_OK
+
+
+def _say_auth_mode(settings: Settings, host: str) -> None:
+    """Open (no keys) or keyed, said at start-up; an open API off loopback is warned about."""
+    from redis import Redis
+    from redis.exceptions import RedisError
+
+    from service.tenancy import keys_configured
+
+    try:
+        with Redis.from_url(settings.redis_url, socket_connect_timeout=5) as conn:
+            keyed = keys_configured(conn)
+    except RedisError:
+        keyed = False
+    if keyed or settings.auth_required:
+        print("stackfuse serve: API keys required (Authorization: Bearer <key>)", file=sys.stderr)
+        return
+    print(
+        "stackfuse serve: no API keys configured: the API is OPEN (unauthenticated, one "
+        "tenant 'local', no quotas); `stackfuse keys create --tenant NAME` turns keys on",
+        file=sys.stderr,
+    )
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"stackfuse serve: WARNING: open API bound to {host}: anyone who can reach it can "
+            "submit and read every job",
+            file=sys.stderr,
+        )
+
+
+# --- keys (service.tenancy) -------------------------------------------------------------------
+def _register_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="create, list and revoke API keys (admin; talks to Redis)")
+    keys = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    c = keys.add_parser("create", help="create a key for a tenant; it is printed once")
+    c.add_argument("--tenant", required=True, help="tenant name (a-z, 0-9, '-', '_')")
+    c.add_argument("--admin", action="store_true", help="may also read /metrics")
+    c.add_argument("--json", action="store_true", help="print as JSON")
+    c.set_defaults(func=_cmd_keys_create)
+    ls = keys.add_parser("list", help="list keys (ids, tenants, flags; never the keys)")
+    ls.add_argument("--json", action="store_true", help="print as JSON")
+    ls.set_defaults(func=_cmd_keys_list)
+    r = keys.add_parser("revoke", help="revoke a key by its id (it stays listed, revoked)")
+    r.add_argument("key_id")
+    r.set_defaults(func=_cmd_keys_revoke)
+
+
+def _keys_conn(settings: Settings) -> Any:
+    from redis import Redis
+
+    return Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+
+
+def _cmd_keys_create(args: argparse.Namespace, settings: Settings) -> int:
+    from dataclasses import asdict
+
+    from redis.exceptions import RedisError
+
+    from service.tenancy import create_key
+
+    try:
+        with _keys_conn(settings) as conn:
+            token, info = create_key(conn, args.tenant, admin=args.admin)
+    except RedisError as exc:
+        return _fail(f"Redis does not answer ({type(exc).__name__})", EXIT_INFRA)
+    if args.json:
+        print(json.dumps({**asdict(info), "key": token}))
+    else:
+        print(f"key id: {info.key_id}\ntenant: {info.tenant}\nadmin:  {info.admin}")
+        print(f"key:    {token}")
+        print("(shown once: only its hash is stored)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_keys_list(args: argparse.Namespace, settings: Settings) -> int:
+    from dataclasses import asdict
+
+    from redis.exceptions import RedisError
+
+    from service.tenancy import list_keys
+
+    try:
+        with _keys_conn(settings) as conn:
+            keys = list_keys(conn)
+    except RedisError as exc:
+        return _fail(f"Redis does not answer ({type(exc).__name__})", EXIT_INFRA)
+    if args.json:
+        print(json.dumps([asdict(k) for k in keys]))
+        return EXIT_OK
+    for k in keys:
+        flags = ",".join(f for f, on in (("admin", k.admin), ("revoked", k.revoked)) if on)
+        print(f"{k.key_id}  {k.tenant:<20} {k.created_at}  {flags or '-'}")
+    return EXIT_OK
+
+
+def _cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
+    from redis.exceptions import RedisError
+
+    from service.tenancy import revoke_key
+
+    try:
+        with _keys_conn(settings) as conn:
+            info = revoke_key(conn, args.key_id)
+    except RedisError as exc:
+        return _fail(f"Redis does not answer ({type(exc).__name__})", EXIT_INFRA)
+    if info is None:
+        return _fail(f"there is no key {args.key_id!r} (see `stackfuse keys list`)", EXIT_INPUT)
+    print(f"revoked {info.key_id} (tenant {info.tenant})")
     return EXIT_OK
 
 
@@ -310,8 +420,11 @@ def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         "options": options,
     }
     headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+    if os.environ.get("STACKFUSE_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['STACKFUSE_API_KEY']}"
     try:
-        with httpx.Client(base_url=base, timeout=60.0) as client:
+        auth = {k: v for k, v in headers.items() if k == "Authorization"}
+        with httpx.Client(base_url=base, timeout=60.0, headers=auth) as client:
             r = client.post("/optimize", json=body, headers=headers)
             if r.status_code != 202:
                 code = EXIT_INPUT if r.status_code < 500 else EXIT_INFRA
@@ -332,7 +445,7 @@ def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace, base: str)
     bar = _Bar()
     deadline = time.monotonic() + args.timeout
     try:
-        while job["status"] not in ("succeeded", "failed"):
+        while job["status"] not in ("succeeded", "failed", "cancelled"):
             if time.monotonic() > deadline:
                 return _fail(
                     f"job {job['id']} still {job['status']} after {args.timeout} s", EXIT_INFRA
@@ -357,6 +470,8 @@ def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace, base: str)
             out.mkdir(parents=True, exist_ok=True)
             (out / "report.json").write_bytes(raw)
             print(f"report:  {out / 'report.json'}")
+    if job["status"] == "cancelled":
+        return _fail(f"job {job['id']} was cancelled", EXIT_FAILED)
     if job["status"] == "failed":
         err = job.get("error") or {}
         return _fail(f"job failed: {err.get('type')}: {err.get('message')}", EXIT_FAILED)
@@ -614,6 +729,7 @@ SUBCOMMANDS: dict[str, Registrar] = {
     "import": _register_import,
     "prebuild": _register_prebuild,
     "gc": _register_gc,
+    "keys": _register_keys,
 }
 
 

@@ -6,7 +6,8 @@ the HTTP status the API answers with, and a message a person can act on. Foreign
 nvcc, redis) are translated into these at one boundary each; none leaks raw to a client.
 
     StackfuseError
-    ├── RequestError        bad HTTP request (size, media type, JSON, target, idempotency)
+    ├── RequestError        bad HTTP request (size, media type, JSON, target, idempotency,
+    │                       API key, tenant quota)
     ├── InputError          the module itself is unusable or hostile (parse, allow-list, limits)
     ├── CompileError        a deterministic failure of partition/codegen/build: not retried
     └── InfrastructureError the machine failed (toolchain missing, timeout, killed): retryable
@@ -110,6 +111,42 @@ class NotReady(RequestError):
     type = "not-ready"
     title = "Not ready"
     status = 409
+
+
+class AlreadyFinished(RequestError):
+    """DELETE /jobs/{id} of a job that already succeeded, failed or was cancelled."""
+
+    type = "job-finished"
+    title = "Job already finished"
+    status = 409
+
+
+class Unauthorized(RequestError):
+    """No API key, or one that is unknown or revoked, while keys are configured."""
+
+    type = "unauthorized"
+    title = "API key missing or not valid"
+    status = 401
+
+    def __init__(self, message: str, *, challenge: str = 'Bearer realm="stackfuse"') -> None:
+        super().__init__(message)
+        self.challenge = challenge  # the WWW-Authenticate header (RFC 6750), not in the body
+
+
+class Forbidden(RequestError):
+    """A valid key that does not grant this route (e.g. /metrics without an admin key)."""
+
+    type = "forbidden"
+    title = "Not allowed with this API key"
+    status = 403
+
+
+class QuotaExceeded(RequestError):
+    """A tenant is at one of its quotas (jobs queued or running, bytes stored)."""
+
+    type = "quota-exceeded"
+    title = "Tenant quota exceeded"
+    status = 429
 
 
 # --- the module ---------------------------------------------------------------------------

@@ -13,6 +13,9 @@ the API (redis.asyncio) and the worker (sync redis, as RQ needs) share them.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import hashlib
 import json
 import re
@@ -21,20 +24,27 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from service import metrics
-from service.errors import IdempotencyConflict, InfrastructureError, StackfuseError
+from service import metrics, tenancy
+from service.errors import (
+    AlreadyFinished,
+    IdempotencyConflict,
+    InfrastructureError,
+    InvalidRequest,
+    StackfuseError,
+)
 from service.schemas import TERMINAL, JobError, JobLinks, JobView, OptimizeRequest
 from service.settings import Settings
 from service.spec import CompileOptions, Target, cache_key
+from service.tenancy import LOCAL_TENANT, Quota
 
 if TYPE_CHECKING:
     from redis import Redis
     from redis.asyncio import Redis as AsyncRedis
     from rq import Queue
 
-    from service.storage import Store
+    from service.storage import LocalStore, Store
 
-PREFIX = "stackfuse"
+PREFIX = tenancy.PREFIX
 #: The RQ task, named by import path so the API never imports the worker (or TVM).
 TASK = "worker.tasks.compile_job"
 
@@ -58,9 +68,11 @@ def cache_index_key(key: str) -> str:
 CACHE_INDEX_PATTERN = cache_index_key("*")
 
 
-def idempotency_key(client_key: str) -> str:
-    """Hashed so that any client string maps to a short, safe Redis key."""
-    return f"{PREFIX}:idem:{hashlib.sha256(client_key.encode()).hexdigest()}"
+def idempotency_key(tenant: str, client_key: str) -> str:
+    """Per tenant (one tenant's key never finds another's job); hashed so that any client
+    string maps to a short, safe Redis key."""
+    digest = hashlib.sha256(f"{tenant}\0{client_key}".encode()).hexdigest()
+    return f"{PREFIX}:idem:{digest}"
 
 
 def new_job_id() -> str:
@@ -92,6 +104,18 @@ class Submission:
     target: Target
     options: CompileOptions
     format: str
+    tenant: str = LOCAL_TENANT
+
+    def for_tenant(self, tenant: str) -> Submission:
+        """This submission as ``tenant``'s. Its compile cache key names the tenant, so a hit
+        is only ever another job of the same tenant: a cross-tenant hit (finished at once,
+        ``cached: true``) would tell one tenant that another compiled this exact module. The
+        stored objects are content-addressed and shared whatever the tenant."""
+        if tenant == LOCAL_TENANT:
+            return dataclasses.replace(self, tenant=tenant)
+        return dataclasses.replace(
+            self, tenant=tenant, cache_key=_sha(f"tenant:{tenant}:{self.cache_key}")
+        )
 
     def spec(self) -> dict[str, Any]:
         """The RQ job's third argument: small, JSON, no module text."""
@@ -163,6 +187,7 @@ def new_record(sub: Submission, *, cached_from: dict[str, str] | None = None) ->
         "target": sub.target.model_dump_json(),
         "options": sub.options.model_dump_json(),
         "format": sub.format,
+        "tenant": sub.tenant,
     }
     if cached_from is not None:
         record.update(
@@ -178,6 +203,11 @@ def new_record(sub: Submission, *, cached_from: dict[str, str] | None = None) ->
             cached_from_job=cached_from.get("job_id", ""),
         )
     return record
+
+
+def record_tenant(record: dict[str, str]) -> str:
+    """The tenant a job belongs to (records written before tenants: the open mode's)."""
+    return record.get("tenant") or LOCAL_TENANT
 
 
 def write_record(pipe: Any, job_id: str, mapping: dict[str, str], ttl: int) -> None:
@@ -326,22 +356,27 @@ async def submit(
     sub: Submission,
     module_bytes: bytes,
     idempotency: str | None,
+    quota: Quota | None = None,
 ) -> tuple[dict[str, str], bool]:
-    """Turn a validated submission into a job: ``(record, replayed)``.
+    """Turn a validated submission into a job of ``sub.tenant``: ``(record, replayed)``.
 
-    Same Idempotency-Key + same fingerprint -> the earlier job (replayed); a different
-    fingerprint -> IdempotencyConflict. A compile-cache hit -> a job finished at once. Otherwise
-    the module is stored (in a thread: write + fsync) and then the record + RQ job are created
-    together. Only that last path writes the module, so a refused request, a replay or a cache
-    hit leaves nothing in the store. Two round trips to Redis on the common path.
+    Same Idempotency-Key (of the same tenant) + same fingerprint -> the earlier job (replayed);
+    a different fingerprint -> IdempotencyConflict. The tenant at its storage quota -> 429. A
+    compile-cache hit (the tenant's own cache) -> a job finished at once. Otherwise a slot among
+    the tenant's active jobs is reserved (429 when ``quota`` has none left), the module is
+    stored (in a thread: write + fsync) and then the record + RQ job are created together. Only
+    that last path writes the module, so a refused request, a replay or a cache hit leaves
+    nothing in the store. Three round trips to Redis for a compile, two for a cache hit.
     """
     import anyio
 
-    idem_key = idempotency_key(idempotency) if idempotency is not None else None
+    tenant = sub.tenant
+    idem_key = idempotency_key(tenant, idempotency) if idempotency is not None else None
     async with redis.pipeline(transaction=False) as pipe:
         if idem_key:
             pipe.set(idem_key, idempotency_value(sub), nx=True, ex=settings.idempotency_ttl_s)
         pipe.get(cache_index_key(sub.cache_key))
+        pipe.get(tenancy.tenant_key(tenant, "stored_bytes"))
         results = await pipe.execute()
 
     if idem_key and not results[0]:
@@ -354,23 +389,45 @@ async def submit(
                     job_id=prior_id,
                 )
             record = await _await_record(redis, prior_id)
-            if record is not None:
+            if record is not None and record_tenant(record) == tenant:
                 return record, True
         # the earlier job is gone (expired, or its enqueue failed): this request takes the key
         await redis.set(idem_key, idempotency_value(sub), ex=settings.idempotency_ttl_s)
 
-    entry = parse_cache_entry(results[-1])
-    # keep(): the objects are referenced again from now on, so retention spares them
-    if entry and store.keep(entry["artifact_sha256"]) and store.keep(entry["report_sha256"]):
-        record = new_record(sub, cached_from=entry)
-        async with redis.pipeline(transaction=True) as pipe:
-            write_record(pipe, sub.job_id, record, record_ttl(settings))
-            metrics.count_submitted(pipe, "cached")
-            await pipe.execute()
-        return record, False
-
-    record = new_record(sub)
+    reserved = False
     try:
+        stored = int(results[-1] or 0)
+        if quota is not None and quota.max_stored_bytes and stored >= quota.max_stored_bytes:
+            raise tenancy.quota_refused_bytes(stored, quota.max_stored_bytes, settings)
+
+        entry = parse_cache_entry(results[-2])
+        # keep(): the objects are referenced again from now on, so retention spares them
+        if entry and store.keep(entry["artifact_sha256"]) and store.keep(entry["report_sha256"]):
+            record = new_record(sub, cached_from=entry)
+            size = _sizes(store, entry["artifact_sha256"], entry["report_sha256"])
+            async with redis.pipeline(transaction=True) as pipe:
+                write_record(pipe, sub.job_id, record, record_ttl(settings))
+                pipe.zadd(tenancy.tenant_key(tenant, "jobs"), {sub.job_id: _score(record)})
+                tenancy.account_stored(pipe, tenant, sub.job_id, size)
+                metrics.count_submitted(pipe, "cached")
+                await pipe.execute()
+            return record, False
+
+        record = new_record(sub)
+        limit = quota.max_active_jobs if quota is not None else 0
+        oldest = _score(record) - record_ttl(settings) * 1_000_000
+        got = await redis.eval(
+            tenancy.RESERVE_SCRIPT,
+            1,
+            tenancy.tenant_key(tenant, "active"),
+            sub.job_id,
+            str(_score(record)),
+            str(oldest),
+            str(limit),
+        )
+        if int(got) < 0:
+            raise tenancy.quota_refused_jobs(-int(got), limit, settings)
+        reserved = True
         # stored before any worker can see the job; a put also refreshes an existing object's
         # mtime, which keeps retention off it until the record below names it
         await anyio.to_thread.run_sync(store.put_bytes, module_bytes)
@@ -380,13 +437,36 @@ async def submit(
         async with redis.pipeline(transaction=True) as pipe:
             for args, options in commands:
                 pipe.execute_command(*args, **options)
+            pipe.zadd(tenancy.tenant_key(tenant, "jobs"), {sub.job_id: _score(record)})
             metrics.count_submitted(pipe, "queued")
             await pipe.execute()
     except BaseException:
-        if idem_key:
-            await redis.delete(idem_key)
+        async with redis.pipeline(transaction=False) as pipe:
+            if idem_key:
+                pipe.delete(idem_key)
+            if reserved:
+                tenancy.release_active(pipe, tenant, sub.job_id)
+            await pipe.execute()
         raise
     return record, False
+
+
+def _score(record: dict[str, str]) -> int:
+    """A record's place in its tenant's job list: its creation time, microseconds."""
+    created = datetime.fromisoformat(record["created_at"])
+    return int(created.timestamp() * 1_000_000)
+
+
+def _sizes(store: Store, *shas: str | None) -> int:
+    """Bytes of the stored objects named (a missing one counts 0)."""
+    total = 0
+    for sha in shas:
+        if sha:
+            try:
+                total += store.size(sha)
+            except (OSError, ValueError):
+                continue
+    return total
 
 
 async def _await_record(redis: AsyncRedis, job_id: str) -> dict[str, str] | None:
@@ -407,7 +487,9 @@ async def _await_record(redis: AsyncRedis, job_id: str) -> dict[str, str] | None
 #: Returns 1 when written, 0 when the job is finished or its record is gone.
 _SET_UNLESS_TERMINAL = """
 local status = redis.call('HGET', KEYS[1], 'status')
-if (not status) or status == 'succeeded' or status == 'failed' then return 0 end
+if (not status) or status == 'succeeded' or status == 'failed' or status == 'cancelled' then
+  return 0
+end
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
@@ -416,7 +498,9 @@ return 1
 #: Start an attempt: status=running, attempts+1. Returns the attempt number, or 0 if finished.
 _START = """
 local status = redis.call('HGET', KEYS[1], 'status')
-if (not status) or status == 'succeeded' or status == 'failed' then return 0 end
+if (not status) or status == 'succeeded' or status == 'failed' or status == 'cancelled' then
+  return 0
+end
 local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
@@ -442,6 +526,25 @@ class JobRecords:
         self.ttl = record_ttl(settings)
         self._set = conn.register_script(_SET_UNLESS_TERMINAL)
         self._start = conn.register_script(_START)
+        self._store: LocalStore | None = None
+
+    def _stored_bytes(self, *shas: str | None) -> int:
+        from service.storage import LocalStore
+
+        if self._store is None:
+            self._store = LocalStore.for_data_dir(
+                self.settings.data_dir, fsync=self.settings.store_fsync
+            )
+        return _sizes(self._store, *shas)
+
+    def _finished(self, pipe: Any, record: dict[str, str], fields: dict[str, str]) -> None:
+        """Queue the tenant's bookkeeping of a job that just finished: its active slot given
+        back, the bytes its objects hold counted."""
+        tenant = record_tenant(record)
+        done = {**record, **fields}
+        size = self._stored_bytes(*(done.get(f) for f in OBJECT_FIELDS))
+        tenancy.release_active(pipe, tenant, record["id"])
+        tenancy.account_stored(pipe, tenant, record["id"], size)
 
     def get(self, job_id: str) -> dict[str, str] | None:
         raw = self.conn.hgetall(record_key(job_id))
@@ -472,8 +575,9 @@ class JobRecords:
             argv += [k, v]
         return int(self._start(keys=[record_key(job_id)], args=argv))
 
-    def progress(self, job_id: str, stage: str, fraction: float, detail: str) -> None:
-        self._update(
+    def progress(self, job_id: str, stage: str, fraction: float, detail: str) -> bool:
+        """False when the job finished meanwhile (e.g. it was cancelled)."""
+        return self._update(
             job_id,
             {"stage": stage, "progress": f"{max(0.0, min(1.0, fraction)):.4f}", "detail": detail},
         )
@@ -501,6 +605,7 @@ class JobRecords:
                 key = cache_index_key(record["cache_key"])
                 pipe.set(key, json.dumps(entry), ex=self.settings.result_ttl_s)
                 metrics.count_finished(pipe, "succeeded", seconds)
+                self._finished(pipe, record, fields)
                 pipe.execute()
         return written
 
@@ -522,8 +627,11 @@ class JobRecords:
             fields["report_sha256"] = report_sha256
         written = self._update(job_id, fields)
         if written:
+            record = self.get(job_id)
             with self.conn.pipeline(transaction=False) as pipe:
                 metrics.count_finished(pipe, "failed")
+                if record is not None:
+                    self._finished(pipe, record, fields)
                 pipe.execute()
         return written
 
@@ -558,3 +666,146 @@ class JobRecords:
         else:
             times = "once" if attempts == 1 else f"{attempts} times"
             self.fail(job_id, {**base, "message": f"{what} {times}; giving up"})
+
+
+# --- the caller's own jobs: list and cancel (API side) -----------------------------------------
+#: Mark a job cancelled unless it finished. KEYS[1]=record; ARGV=ttl, k1, v1, ...
+#: Returns the status it had ('' when the record is gone); it is cancelled only when that was
+#: queued or running.
+_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return '' end
+if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return status end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return status
+"""
+
+
+async def cancel(
+    redis: AsyncRedis, settings: Settings, store: Store, record: dict[str, str]
+) -> dict[str, str]:
+    """Cancel a queued or running job: its record says ``cancelled`` from now on (a worker
+    that starts or finishes it later changes nothing), its tenant gets the slot back. Stopping
+    the RQ side is :func:`stop_rq_job`'s (sync RQ, in a thread). AlreadyFinished otherwise."""
+    job_id = record["id"]
+    ts = now_iso()
+    fields = {
+        "status": "cancelled",
+        "stage": "cancelled",
+        "detail": "cancelled by the client",
+        "finished_at": ts,
+        "updated_at": ts,
+    }
+    argv: list[str | int] = [record_ttl(settings)]
+    for k, v in fields.items():
+        argv += [k, v]
+    before = str(await redis.eval(_CANCEL, 1, record_key(job_id), *argv))
+    if before not in ("queued", "running"):
+        raise AlreadyFinished(
+            f"job {job_id} already {before or 'expired'}; only a queued or running job can be "
+            "cancelled",
+            status_of_job=before or None,
+        )
+    tenant = record_tenant(record)
+    size = _sizes(store, record.get("input_sha256"), record.get("report_sha256"))
+    async with redis.pipeline(transaction=False) as pipe:
+        tenancy.release_active(pipe, tenant, job_id)
+        tenancy.account_stored(pipe, tenant, job_id, size)
+        metrics.count_finished(pipe, "cancelled")
+        pipe.hgetall(record_key(job_id))
+        *_, raw = await pipe.execute()
+    return decode(raw) if raw else {**record, **fields}
+
+
+def stop_rq_job(conn: Redis, settings: Settings, job_id: str) -> str:
+    """The RQ side of a cancel: a job still waiting (queued, or scheduled for a retry) is
+    cancelled in RQ, which takes it off the queue; one a worker runs has its work-horse
+    stopped (RQ's stop-job command: the worker kills the horse and does not retry it). What
+    was done: ``cancelled``, ``stopped`` or ``none`` (RQ no longer has the job)."""
+    from rq.command import send_stop_job_command
+    from rq.exceptions import InvalidJobOperation, NoSuchJobError
+    from rq.job import Job, JobStatus
+    from rq.serializers import JSONSerializer
+
+    try:
+        job = Job.fetch(job_id, connection=conn, serializer=JSONSerializer)
+        status = job.get_status(refresh=False)
+        if status in (JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED):
+            job.cancel()
+            return "cancelled"
+        if status == JobStatus.STARTED and job.worker_name:
+            send_stop_job_command(conn, job_id, serializer=JSONSerializer)
+            return "stopped"
+    except (NoSuchJobError, InvalidJobOperation):
+        pass
+    # a horse that started meanwhile sees the record cancelled at its next progress report
+    return "none"
+
+
+#: GET /jobs page sizes.
+LIST_DEFAULT, LIST_MAX = 50, 200
+
+
+def _cursor(score: float, job_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{int(score)}:{job_id}".encode()).decode().rstrip("=")
+
+
+def _parse_cursor(cursor: str) -> tuple[int, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        score, _, job_id = raw.partition(":")
+        if score.isdigit() and is_job_id(job_id):
+            return int(score), job_id
+    except (ValueError, binascii.Error):
+        pass
+    raise InvalidRequest(
+        "cursor is not one this API gave out: pass next_cursor of the previous page as it came",
+        errors=[{"loc": ["query", "cursor"], "msg": "invalid cursor"}],
+    )
+
+
+async def list_jobs(
+    redis: AsyncRedis, tenant: str, limit: int, cursor: str | None
+) -> tuple[list[dict[str, str]], str | None]:
+    """One page of ``tenant``'s jobs, newest first: ``(records, next cursor or None)``.
+
+    The cursor is the last listed job's (creation time, id), so jobs submitted while paging
+    do not shift later pages. Entries whose record expired are skipped (and dropped)."""
+    key = tenancy.tenant_key(tenant, "jobs")
+    after = _parse_cursor(cursor) if cursor else None
+    top: float | str = after[0] if after else "+inf"
+    page: list[tuple[float, dict[str, str]]] = []
+    offset = 0
+    batch = limit + 1
+    while len(page) <= limit:
+        rows: list[Any] = await redis.zrange(
+            key, top, "-inf", desc=True, byscore=True, offset=offset, num=batch, withscores=True
+        )
+        if not rows:
+            break
+        offset += len(rows)
+        # same creation time: members come in descending id order; skip up to the cursor's
+        members = [
+            (str(m), float(sc))
+            for m, sc in rows
+            if not (after and int(sc) == after[0] and str(m) >= after[1])
+        ]
+        async with redis.pipeline(transaction=False) as pipe:
+            for m, _ in members:
+                pipe.hgetall(record_key(m))
+            raws = await pipe.execute()
+        gone = []
+        for (m, sc), raw in zip(members, raws, strict=True):
+            if raw:
+                page.append((sc, decode(raw)))
+            else:
+                gone.append(m)
+        if gone:
+            await redis.zrem(key, *gone)
+        if len(rows) < batch:
+            break
+    more = len(page) > limit
+    page = page[:limit]
+    next_cursor = _cursor(page[-1][0], page[-1][1]["id"]) if more and page else None
+    return [r for _, r in page], next_cursor

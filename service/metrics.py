@@ -209,16 +209,24 @@ def make_router() -> "APIRouter":
     from fastapi import APIRouter, Request
     from fastapi.responses import Response
 
+    from service.problems import openapi_problems as problem_responses
+
     router = APIRouter()
 
     @router.get(
         "/metrics",
         summary="Prometheus metrics (jobs by state, queue depth, compile and stage seconds, gc)",
         response_class=Response,
-        responses={200: {"content": {"text/plain": {}}, "description": "text format 0.0.4"}},
+        responses={
+            200: {"content": {"text/plain": {}}, "description": "text format 0.0.4"},
+            **problem_responses(401, 403, 503),
+        },
     )
     async def metrics(request: Request) -> Response:
+        """Admin key required while keys are configured, unless STACKFUSE_METRICS_PUBLIC=1."""
         state = request.app.state.stackfuse
+        if not state.settings.metrics_public:
+            await state.auth.admin(request.headers.get("authorization"))
         body, content_type = render(await read(state.redis, state.settings))
         return Response(body, media_type=content_type)
 

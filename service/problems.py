@@ -24,12 +24,29 @@ from service.errors import (
     NotFound,
     RequestError,
     StackfuseError,
+    Unauthorized,
 )
 
 PROBLEM_BASE = "https://stackfuse.dev/problems/"
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 log = logging.getLogger("stackfuse.api")
+
+
+def openapi_problems(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI error responses as they are sent: ``application/problem+json`` only."""
+    from http import HTTPStatus
+
+    from service.schemas import Problem
+
+    schema = Problem.model_json_schema()
+    return {
+        c: {
+            "description": HTTPStatus(c).phrase,
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": schema}},
+        }
+        for c in codes
+    }
 
 
 def problem_body(
@@ -75,6 +92,8 @@ async def _stackfuse_error(request: Request, exc: Exception) -> Response:
         headers["Connection"] = "close"  # the rest of the body will not be read
     if "retry_after_s" in exc.detail:
         headers["Retry-After"] = str(exc.detail["retry_after_s"])
+    if isinstance(exc, Unauthorized):
+        headers["WWW-Authenticate"] = exc.challenge
     return problem_response(exc, _instance(request), headers)
 
 

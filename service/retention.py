@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service import jobs, metrics
+from service import jobs, metrics, tenancy
 from service.settings import Settings
 from service.storage import LocalStore
 
@@ -75,6 +75,7 @@ class Collected:
     kernels_kept: int = 0
     work_dirs: int = 0
     work_dir_bytes: int = 0
+    tenant_jobs_released: int = 0
     deleted: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
@@ -98,6 +99,9 @@ def collect(conn: Redis, settings: Settings, *, dry_run: bool = False) -> Collec
     _collect_kernels(settings, now, older_than, out)
     _collect_work_dirs(conn, settings.data_dir / "work", older_than, out)
     if not dry_run:
+        # the tenants' quota accounting forgets jobs whose records expired
+        oldest = (now - jobs.record_ttl(settings)) * 1_000_000
+        out.tenant_jobs_released = tenancy.reconcile(conn, jobs.record_key, jobs.TERMINAL, oldest)
         with conn.pipeline(transaction=False) as pipe:
             metrics.count_gc(pipe, "object", out.objects, out.object_bytes)
             metrics.count_gc(pipe, "kernel", out.kernels, out.kernel_bytes)

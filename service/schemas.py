@@ -12,11 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.spec import CompileOptions, Target
 
-JobStatus = Literal["queued", "running", "succeeded", "failed"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 ModuleFormat = Literal["tvm-json", "tvmscript"]
 
 #: Statuses after which a job never changes again.
-TERMINAL: frozenset[str] = frozenset({"succeeded", "failed"})
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 
 
 class OptimizeRequest(BaseModel):
@@ -82,6 +82,15 @@ class JobView(BaseModel):
         default=None, description="The failure that caused the latest retry, while retrying."
     )
     links: JobLinks
+
+
+class JobList(BaseModel):
+    """What GET /jobs answers: the caller's jobs, newest first, one page."""
+
+    jobs: list[JobView]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next page; null on the last page."
+    )
 
 
 class Problem(BaseModel):

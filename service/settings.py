@@ -97,6 +97,42 @@ class Settings(BaseSettings):
         description="An open connection without a request in progress is closed after this.",
     )
 
+    # --- API keys and tenants (service/tenancy.py) ------------------------------------------
+    auth_required: bool = Field(
+        default=False,
+        description="Refuse requests without a valid API key even while no key exists yet "
+        "(otherwise, with no keys, the API is open: one implicit tenant, 'local').",
+    )
+    auth_cache_ttl_s: float = Field(
+        default=2.0,
+        description="How long an API process reuses a key lookup (and whether keys exist); "
+        "a revoked key, or the first key created, takes effect within this. 0: ask Redis "
+        "every request.",
+    )
+    metrics_public: bool = Field(
+        default=False,
+        description="GET /metrics without a key while keys are configured (else admin only).",
+    )
+    tenant_max_active_jobs: int = Field(
+        default=32,
+        description="Jobs of one tenant queued or running at once; past it POST /optimize is "
+        "a 429. 0: no limit. The open mode's tenant has none.",
+    )
+    tenant_max_stored_bytes: int = Field(
+        default=50 * GiB,
+        description="Bytes the live jobs of one tenant name in the store (module, library, "
+        "report; each job counted in full); at or past it POST /optimize is a 429. 0: no "
+        "limit. The open mode's tenant has none.",
+    )
+    quota_retry_after_s: int = Field(
+        default=30, description="Retry-After of a 429 for too many jobs queued or running."
+    )
+    storage_quota_retry_after_s: int = Field(
+        default=3600,
+        description="Retry-After of a 429 for bytes stored: space is given back as the "
+        "tenant's job records expire (result_ttl_s) and gc reconciles the count.",
+    )
+
     # --- module limits (checked before TVM parses anything, then on the loaded IR) ----------
     max_json_nodes: int = 500_000  # wire check costs ~11 us per node of API CPU
     max_json_values: int = Field(

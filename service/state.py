@@ -14,6 +14,7 @@ from service.jobs import make_queue
 from service.settings import Settings
 from service.spec import toolchain_fingerprint
 from service.storage import LocalStore, Store
+from service.tenancy import Authenticator
 
 log = logging.getLogger("stackfuse.api")
 
@@ -34,6 +35,7 @@ class AppState:
     queue: Queue
     store: Store
     toolchain: str
+    auth: Authenticator
 
 
 def build_state(settings: Settings) -> AppState:
@@ -43,20 +45,22 @@ def build_state(settings: Settings) -> AppState:
         socket_connect_timeout=_CONNECT_TIMEOUT_S,
         retry_on_error=_RETRY_ON,
     )
+    redis = aredis.Redis.from_url(
+        settings.redis_url,
+        decode_responses=True,
+        max_connections=512,
+        socket_timeout=_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=_CONNECT_TIMEOUT_S,
+        retry_on_error=_RETRY_ON,
+    )
     return AppState(
         settings=settings,
-        redis=aredis.Redis.from_url(
-            settings.redis_url,
-            decode_responses=True,
-            max_connections=512,
-            socket_timeout=_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=_CONNECT_TIMEOUT_S,
-            retry_on_error=_RETRY_ON,
-        ),
+        redis=redis,
         sync_redis=sync_conn,
         queue=make_queue(sync_conn, settings),
         store=LocalStore.for_data_dir(settings.data_dir, fsync=settings.store_fsync),
         toolchain=toolchain_fingerprint(),
+        auth=Authenticator(redis, settings),
     )
 
 

@@ -368,7 +368,7 @@ def client(api: ApiProcess) -> Iterator[httpx.Client]:
 def wait_job(
     client: httpx.Client,
     job_id: str,
-    statuses: set[str] | frozenset[str] = frozenset({"succeeded", "failed"}),
+    statuses: set[str] | frozenset[str] = frozenset({"succeeded", "failed", "cancelled"}),
     timeout: float = 300,
     **fields: Any,
 ) -> dict[str, Any]:

@@ -125,6 +125,14 @@ class FaultPlan:
 
 
 # --- the task ---------------------------------------------------------------------------------
+class JobCancelled(CompileError):
+    """The job's record finished while it ran (cancelled): stop, retry nothing. Its record
+    is not changed (a finished record never is)."""
+
+    type = "cancelled"
+    title = "Job cancelled"
+
+
 class _Progress:
     """The pipeline's progress callback: writes stage/progress to the job record (throttled,
     best effort: a lost progress write must not fail a compile) and runs fault hooks."""
@@ -141,9 +149,12 @@ class _Progress:
         if (stage, detail) != self._last or now - self._last_at >= _PROGRESS_MIN_INTERVAL_S:
             self._last, self._last_at = (stage, detail), now
             try:
-                self.records.progress(self.job_id, stage, fraction, detail)
+                written = self.records.progress(self.job_id, stage, fraction, detail)
             except Exception as exc:  # Redis hiccup: the next report retries
                 log.warning("job %s: progress not recorded: %s", self.job_id, exc)
+                written = True
+            if not written:  # finished meanwhile: cancelled (DELETE /jobs/{id})
+                raise JobCancelled(f"job {self.job_id} was cancelled; stopping its compile")
         if self.fault is not None:
             self.fault(stage)
 
