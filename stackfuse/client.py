@@ -230,10 +230,6 @@ class Job:
             raise errors.StackfuseError(f"the report of job {self.id} is not a JSON object")
         return body
 
-    def report_html(self) -> str:
-        """The report as one self-contained HTML page."""
-        return self._client._request("GET", f"/jobs/{self.id}/report.html").text
-
     def download(self, directory: str | os.PathLike[str]) -> Downloaded:
         """Write the library (under the server's download name, ``stackfuse-<job>.so``) and
         ``report.json`` into ``directory`` (made if missing); the library's sha256 is checked

@@ -97,7 +97,8 @@ def test_a_failed_job_raises_jobfailed_and_a_slow_one_timeout(
     fault_plan_file: Path,
 ) -> None:
     module = fresh_module()
-    add_fault(fault_plan_file, sha(module), sleep_s=4, **{"raise": "compile-error", "at": "codegen"})
+    fault = {"sleep_s": 4, "raise": "compile-error", "at": "codegen"}
+    add_fault(fault_plan_file, sha(module), **fault)
     job = sf.submit(module.encode())  # bytes
     with pytest.raises(errors.Timeout, match=f"job {job.id} still"):
         job.wait(timeout=1.0)
@@ -148,9 +149,11 @@ def test_problems_become_the_exceptions_of_their_family(
 
 
 def test_an_unreachable_api_is_a_connection_error(tmp_path: Path) -> None:
-    with stackfuse.Client("http://127.0.0.1:1") as c:
-        with pytest.raises(errors.ConnectionError, match="cannot reach the API at http://127.0"):
-            c.job("0" * 32)
+    with (
+        stackfuse.Client("http://127.0.0.1:1") as c,
+        pytest.raises(errors.ConnectionError, match=r"cannot reach the API at http://127\.0"),
+    ):
+        c.job("0" * 32)
 
 
 def test_the_default_url_is_stackfuse_url_then_serve_then_host_and_port(
