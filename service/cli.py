@@ -495,6 +495,28 @@ def _cmd_compile(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+# --- report (the fusion report as one HTML page) ----------------------------------------------
+def _register_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("report", help="render a report.json as one self-contained HTML page")
+    p.add_argument("report", type=Path, help="a report.json (from compile or submit --out)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="the HTML file to write")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.report_html import render
+
+    try:
+        doc = json.loads(args.report.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _fail(f"cannot read {args.report}: {exc}", EXIT_INPUT)
+    if not isinstance(doc, dict):
+        return _fail(f"{args.report} is not a report (not a JSON object)", EXIT_INPUT)
+    args.out.write_text(render(doc), encoding="utf-8")
+    print(f"report: {args.out}")
+    return EXIT_OK
+
+
 # --- prebuild (warm the kernel cache) ---------------------------------------------------------
 def _register_prebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -590,6 +612,7 @@ SUBCOMMANDS: dict[str, Registrar] = {
     "compile": _register_compile,
     "import": _register_import,
     "prebuild": _register_prebuild,
+    "report": _register_report,
     "gc": _register_gc,
 }
 
