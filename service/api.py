@@ -288,6 +288,38 @@ async def get_report(
     )
 
 
+@router.get(
+    "/jobs/{job_id}/report.html",
+    summary="The fusion report as one self-contained HTML page",
+    response_class=Response,
+    responses={
+        200: {"content": {"text/html": {}}, "description": "the report page"},
+        **_problems(404, 409, 422, 503),
+    },
+)
+async def get_report_html(job_id: str, state: StateDep) -> Response:
+    """The same report as ``/jobs/{id}/report`` (same readiness and 404s), as a page."""
+    import json
+
+    from worker.report_html import render  # no TVM
+
+    record = await _record(state, job_id)
+    sha = record.get("report_sha256")
+    if not sha:
+        if record["status"] == "failed":
+            raise NotFound(f"job {job_id} failed before partitioning ran, so it has no report")
+        raise _not_ready(record, "report", state.settings)
+    path = state.store.local_path(sha)
+    if path is None:
+        raise InfrastructureError(f"object {sha} is missing from the store")
+    raw = path.read_bytes()
+    if record.get("cached") == "1":
+        from worker.report import cached_view
+
+        raw = cached_view(raw, job_id, record.get("cached_from_job", ""))
+    return Response(render(json.loads(raw)), media_type="text/html; charset=utf-8")
+
+
 def _cached_report(
     state: AppState, record: dict[str, str], sha256: str, if_none_match: str | None
 ) -> Response:

@@ -277,3 +277,20 @@ def test_cancel_a_queued_job_and_not_a_finished_one(
         sf.cancel(job.id)
     with pytest.raises(errors.NotFound):
         sf.cancel("0" * 32)
+
+
+@pytest.mark.slow
+@pytest.mark.nvcc
+def test_the_api_serves_the_report_page(
+    sf: stackfuse.Client, workers: WorkerPool, fresh_module: Callable[[], str]
+) -> None:
+    job = sf.submit(fresh_module()).wait(timeout=600)
+    r = sf._request("GET", f"/jobs/{job.id}/report.html")
+    assert r.headers["content-type"].startswith("text/html")
+    report = job.report()
+    assert report["sites"][0]["verdict"] in r.text and "<svg" in r.text
+    with pytest.raises(errors.NotFound):
+        sf._request("GET", f"/jobs/{'0' * 32}/report.html")
+    queued = sf.submit(fresh_module(), target="sm_80")
+    with pytest.raises(errors.Conflict):
+        sf._request("GET", f"/jobs/{queued.id}/report.html")
