@@ -339,6 +339,40 @@ async def get_report(
     )
 
 
+@router.get(
+    "/jobs/{job_id}/report.html",
+    summary="The fusion report as one self-contained HTML page",
+    response_class=Response,
+    responses={
+        200: {"content": {"text/html": {}}, "description": "the report page"},
+        **_problems(401, 404, 409, 422, 503),
+    },
+)
+async def get_report_html(job_id: str, state: StateDep, caller: CallerDep) -> Response:
+    """The same report as ``/jobs/{id}/report`` (same readiness and 404s), as a page."""
+    import json
+
+    from worker.report_html import render  # no TVM
+
+    record = await _record(state, job_id, caller)
+    sha = record.get("report_sha256")
+    if not sha:
+        if record["status"] in ("failed", "cancelled"):
+            raise NotFound(
+                f"job {job_id} {record['status']} before partitioning ran, so it has no report"
+            )
+        raise _not_ready(record, "report", state.settings)
+    path = state.store.local_path(sha)
+    if path is None:
+        raise InfrastructureError(f"object {sha} is missing from the store")
+    raw = path.read_bytes()
+    if record.get("cached") == "1":
+        from worker.report import cached_view
+
+        raw = cached_view(raw, job_id, record.get("cached_from_job", ""))
+    return Response(render(json.loads(raw)), media_type="text/html; charset=utf-8")
+
+
 def _cached_report(
     state: AppState, record: dict[str, str], sha256: str, if_none_match: str | None
 ) -> Response:

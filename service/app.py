@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from service import api, logs, metrics, problems
 from service.middleware import BodyLimit
@@ -36,7 +37,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await state.redis.aclose()
             state.sync_redis.close()
 
-    app = FastAPI(
+    # /docs and /redoc from the Swagger UI and ReDoc assets packaged with fastapi-offline
+    # (served under /static-offline-docs): they work without reaching a CDN
+    app = FastAPIOffline(
         title="Stackfuse",
         summary="Stacked-attention optimization of TVM Relax models, as a service.",
         description=(

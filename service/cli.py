@@ -269,8 +269,7 @@ def _cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
-# --- where `serve` listens (so that `submit` finds it) ----------------------------------------
-SERVE_STATE = "serve.json"
+# --- where `serve` listens (so that `submit` and stackfuse.Client find it) --------------------
 
 
 def redact_url(url: str) -> str:
@@ -288,6 +287,8 @@ def redact_url(url: str) -> str:
 
 def write_serve_state(settings: Settings, url: str) -> Path:
     """``<data_dir>/serve.json``: the API URL of the running ``serve`` and its pid."""
+    from stackfuse.client import SERVE_STATE
+
     path = settings.data_dir / SERVE_STATE
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
@@ -303,25 +304,12 @@ def clear_serve_state(path: Path) -> None:
         pass
 
 
-def served_url(settings: Settings) -> str | None:
-    """The URL a live ``stackfuse serve`` of this data dir wrote, if any."""
-    try:
-        state = json.loads((settings.data_dir / SERVE_STATE).read_text())
-        os.kill(int(state["pid"]), 0)
-        return str(state["url"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 def api_url(explicit: str | None, settings: Settings) -> str:
     """--url, else $STACKFUSE_URL, else the URL `stackfuse serve` wrote, else
-    http://STACKFUSE_API_HOST:STACKFUSE_API_PORT."""
-    return (
-        explicit
-        or os.environ.get("STACKFUSE_URL")
-        or served_url(settings)
-        or f"http://{settings.api_host}:{settings.api_port}"
-    )
+    http://STACKFUSE_API_HOST:STACKFUSE_API_PORT (the client's default, from ``settings``)."""
+    from stackfuse.client import default_url
+
+    return explicit or default_url(settings.data_dir, settings.api_host, settings.api_port)
 
 
 # --- submit (HTTP client) ---------------------------------------------------------------------
@@ -355,18 +343,10 @@ def _register_submit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.set_defaults(func=_cmd_submit)
 
 
-def _problem_text(response: Any) -> str:
-    try:
-        body = response.json()
-        return f"{body.get('title', response.status_code)}: {body.get('detail', '')}"
-    except ValueError:
-        return f"HTTP {response.status_code}"
-
-
-def _too_large_hint(response: Any, text: str) -> str:
+def _too_large_hint(err: Any, text: str) -> str:
     """For a body the API refused unread (413 payload-too-large): the module's largest
     constants, read here from the JSON, so the user knows what to shrink."""
-    if response.status_code != 413 or "largest_constants" in response.text:
+    if err.status != 413 or "largest_constants" in err.problem:
         return ""
     from service.wire import constant_text, largest_constants
 
@@ -380,19 +360,18 @@ class _Bar:
     def __init__(self) -> None:
         self.tty = sys.stderr.isatty()
         self.last = ""
-        self.started = time.monotonic()
 
-    def show(self, job: dict[str, Any]) -> None:
-        frac = float(job.get("progress", 0.0))
-        label = f"{job['status']}: {job.get('stage', '')} {job.get('detail', '')}".strip()
-        elapsed = f"{time.monotonic() - self.started:6.1f}s"
+    def show(self, p: Any) -> None:
+        """``p``: a :class:`stackfuse.Progress`."""
+        label = f"{p.status}: {p.stage} {p.detail}".strip()
+        elapsed = f"{p.elapsed:6.1f}s"
         if self.tty:
-            filled = int(frac * 30)
+            filled = int(p.fraction * 30)
             bar = "#" * filled + "-" * (30 - filled)
-            sys.stderr.write(f"\r[{bar}] {frac * 100:5.1f}% {elapsed} {label[:60]:<60}")
+            sys.stderr.write(f"\r[{bar}] {p.fraction * 100:5.1f}% {elapsed} {label[:60]:<60}")
             sys.stderr.flush()
         elif label != self.last:
-            print(f"[{elapsed}] {frac * 100:5.1f}% {label}", file=sys.stderr)
+            print(f"[{elapsed}] {p.fraction * 100:5.1f}% {label}", file=sys.stderr)
         self.last = label
 
     def close(self) -> None:
@@ -401,91 +380,84 @@ class _Bar:
 
 
 def _cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
-    import httpx
+    """`submit` is :class:`stackfuse.Client`'s submit, wait and download, with a progress bar
+    and the fusion summary."""
+    import stackfuse
+    from stackfuse.client import read_module
 
     if args.out is not None and not args.wait:
         return _fail("--out downloads the finished job's files, so it needs --wait", EXIT_INPUT)
     try:
-        text = args.model.read_text(encoding="utf-8")
+        text = read_module(args.model)
         options = json.loads(args.options)
-    except (OSError, UnicodeDecodeError) as exc:
-        return _fail(f"cannot read {args.model}: {exc}", EXIT_INPUT)
+    except stackfuse.StackfuseError as err:
+        return _fail(err.message, EXIT_INPUT)
     except json.JSONDecodeError as exc:
         return _fail(f"--options is not JSON: {exc}", EXIT_INPUT)
     base = api_url(args.url, settings)
-    body = {
-        "module": text,
-        "format": args.format,
-        "target": {"arch": args.arch},
-        "options": options,
-    }
-    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
-    if os.environ.get("STACKFUSE_API_KEY"):
-        headers["Authorization"] = f"Bearer {os.environ['STACKFUSE_API_KEY']}"
     try:
-        auth = {k: v for k, v in headers.items() if k == "Authorization"}
-        with httpx.Client(base_url=base, timeout=60.0, headers=auth) as client:
-            r = client.post("/optimize", json=body, headers=headers)
-            if r.status_code != 202:
-                code = EXIT_INPUT if r.status_code < 500 else EXIT_INFRA
-                return _fail(_problem_text(r) + _too_large_hint(r, text), code)
-            job = r.json()
-            print(
-                f"job {job['id']} {job['status']}{' (cached)' if job['cached'] else ''}: "
-                f"{base}{job['links']['self']}"
-            )
+        with stackfuse.Client(base, timeout=60.0) as client:
+            try:
+                job = client.submit(
+                    text.encode(),
+                    target=args.arch,
+                    options=options,
+                    idempotency_key=args.idempotency_key,
+                    format=args.format,
+                )
+            except stackfuse.APIError as err:
+                code = EXIT_INPUT if err.status < 500 else EXIT_INFRA
+                return _fail(err.message + _too_large_hint(err, text), code)
+            print(f"job {job.id} {job.status}{' (cached)' if job.cached else ''}: {job.url}")
             if not args.wait:
                 return EXIT_OK
-            return _wait(client, job, args, base)
-    except httpx.HTTPError as exc:
-        return _fail(f"cannot reach the API at {base}: {exc}", EXIT_INFRA)
+            return _wait(job, args, base)
+    except (stackfuse.errors.ConnectionError, stackfuse.errors.Timeout) as err:
+        return _fail(err.message, EXIT_INFRA)
 
 
-def _wait(client: Any, job: dict[str, Any], args: argparse.Namespace, base: str) -> int:
+def _wait(job: Any, args: argparse.Namespace, base: str) -> int:
+    import stackfuse
+
     bar = _Bar()
-    deadline = time.monotonic() + args.timeout
     try:
-        while job["status"] not in ("succeeded", "failed", "cancelled"):
-            if time.monotonic() > deadline:
-                return _fail(
-                    f"job {job['id']} still {job['status']} after {args.timeout} s", EXIT_INFRA
-                )
-            bar.show(job)
-            r = client.get(job["links"]["self"])
-            if r.status_code != 200:
-                return _fail(_problem_text(r), EXIT_INFRA)
-            time.sleep(min(max(float(r.headers.get("Retry-After", "1")), 0.5), 5.0))
-            job = r.json()
-        bar.show(job)
+        job.wait(progress=bar.show, timeout=args.timeout)
+    except stackfuse.JobFailed:
+        pass  # its report (when partitioning ran) and error are shown below
+    except stackfuse.errors.Timeout as err:
+        return _fail(err.message, EXIT_INFRA)
+    except stackfuse.APIError as err:
+        return _fail(err.message, EXIT_INFRA)
     finally:
         bar.close()
     out: Path | None = args.out
-    if job["links"].get("report"):
-        raw = client.get(job["links"]["report"]).content
-        report = _named_report(raw, args.model)
-        if report is not None:
-            print_summary(report)
-            raw = report.model_dump_json(indent=2).encode()
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "report.json").write_bytes(raw)
-            print(f"report:  {out / 'report.json'}")
-    if job["status"] == "cancelled":
-        return _fail(f"job {job['id']} was cancelled", EXIT_FAILED)
-    if job["status"] == "failed":
-        err = job.get("error") or {}
-        return _fail(f"job failed: {err.get('type')}: {err.get('message')}", EXIT_FAILED)
-    if out is None:
+    if job.status != "succeeded" or out is None:
+        if job.links.get("report"):
+            doc = job.report()
+            report = _named_report(doc, args.model)
+            if report is not None:
+                print_summary(report)
+                doc = report.model_dump(mode="json")
+            if out is not None:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "report.json").write_text(json.dumps(doc, indent=2))
+                print(f"report:  {out / 'report.json'}")
+        if job.status != "succeeded":
+            why = job.error or {}
+            return _fail(f"job {job.status}: {why.get('type')}: {why.get('message')}", EXIT_FAILED)
         print(
-            f"not downloaded (pass --out DIR): {base}{job['links']['artifact']} and "
-            f"{base}{job['links']['report']}"
+            f"not downloaded (pass --out DIR): {base}{job.links['artifact']} and "
+            f"{base}{job.links['report']}"
         )
         return EXIT_OK
-    r = client.get(job["links"]["artifact"])
-    name = f"stackfuse-{job['id']}.so"  # the artifact's download name, as the report says
-    (out / name).write_bytes(r.content)
-    etag = r.headers.get("ETag", "").strip('"')
-    print(f"library: {out / name} ({len(r.content)} bytes, sha256 {etag})")
+    files = job.download(out)
+    report = _named_report(json.loads(files.report.read_bytes()), args.model)
+    if report is not None:
+        print_summary(report)
+        files.report.write_text(report.model_dump_json(indent=2))
+    print(f"report:  {files.report}")
+    size = files.library.stat().st_size
+    print(f"library: {files.library} ({size} bytes, sha256 {job.artifact_sha256})")
     return EXIT_OK
 
 
@@ -515,14 +487,14 @@ def origins_beside(model: Path) -> dict[str, str]:
         return {}
 
 
-def _named_report(raw: bytes, model: Path) -> Any:
+def _named_report(doc: dict[str, Any], model: Path) -> Any:
     """The downloaded report, with the model's own names when its manifest is beside it."""
     from pydantic import ValidationError
 
     from worker.report import Report, with_origins
 
     try:
-        report = Report.model_validate_json(raw)
+        report = Report.model_validate(doc)
     except ValidationError:
         return None  # a report of another schema version: saved as it came
     origins = origins_beside(model)
@@ -633,6 +605,28 @@ def _cmd_compile(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+# --- report (the fusion report as one HTML page) ----------------------------------------------
+def _register_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("report", help="render a report.json as one self-contained HTML page")
+    p.add_argument("report", type=Path, help="a report.json (from compile or submit --out)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="the HTML file to write")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    from worker.report_html import render
+
+    try:
+        doc = json.loads(args.report.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _fail(f"cannot read {args.report}: {exc}", EXIT_INPUT)
+    if not isinstance(doc, dict):
+        return _fail(f"{args.report} is not a report (not a JSON object)", EXIT_INPUT)
+    args.out.write_text(render(doc), encoding="utf-8")
+    print(f"report: {args.out}")
+    return EXIT_OK
+
+
 # --- prebuild (warm the kernel cache) ---------------------------------------------------------
 def _register_prebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -728,6 +722,7 @@ SUBCOMMANDS: dict[str, Registrar] = {
     "compile": _register_compile,
     "import": _register_import,
     "prebuild": _register_prebuild,
+    "report": _register_report,
     "gc": _register_gc,
     "keys": _register_keys,
 }

@@ -1,10 +1,12 @@
-"""The import graph of service/ and worker/, read from the source with ``ast``.
+"""The import graph of service/, worker/ and stackfuse/ (the client), read with ``ast``.
 
 - No cycles, counting every import: at module level, inside functions (the lazy ones that used to
   hide loops) and under ``TYPE_CHECKING``.
 - The API process never imports TVM: importing any service module loads neither TVM nor a worker
   module that loads it, and the service modules besides the CLI (whose handlers run the
   compiler) import only worker modules that never reach TVM at all.
+- The Python client (``stackfuse``) reaches no worker module, TVM or torch by any import path,
+  lazy ones included: it runs wherever httpx does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("service", "worker")
+PACKAGES = ("service", "worker", "stackfuse")
 TVM = ("tvm", "tvm_ffi")
 #: service modules allowed to import TVM-loading worker modules inside a function
 COMPILER_ENTRY_POINTS = frozenset({"service.cli"})
@@ -35,6 +37,8 @@ class Module:
     #: TVM itself (``import tvm``, ``import_tvm()``) anywhere / while importing
     tvm: bool = False
     tvm_at_import: bool = False
+    #: top-level names of the other packages it imports anywhere (``torch``, ``httpx``...)
+    foreign: set[str] = field(default_factory=set)
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -51,6 +55,13 @@ def _is_type_checking(node: ast.If) -> bool:
 
 def _targets(node: ast.Import | ast.ImportFrom, known: set[str]) -> tuple[set[str], bool]:
     """(our modules ``node`` imports, whether it imports TVM)."""
+    return _targets_and_foreign(node, known)[:2]
+
+
+def _targets_and_foreign(
+    node: ast.Import | ast.ImportFrom, known: set[str]
+) -> tuple[set[str], bool, set[str]]:
+    """(our modules ``node`` imports, whether it imports TVM, the other top-level packages)."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     else:
@@ -61,14 +72,18 @@ def _targets(node: ast.Import | ast.ImportFrom, known: set[str]) -> tuple[set[st
         # `import worker.x.y` runs worker, worker.x and worker.x.y
         parts = name.split(".")
         ours |= {m for i in range(1, len(parts) + 1) if (m := ".".join(parts[:i])) in known}
-    return ours, any(n.split(".")[0] in TVM for n in names)
+    tops = {n.split(".")[0] for n in names}
+    return ours, bool(tops & set(TVM)), tops - set(PACKAGES)
 
 
 def _scan(module: Module, body: list[ast.stmt], known: set[str], at_import: bool) -> None:
     for stmt in body:
         if isinstance(stmt, ast.Import | ast.ImportFrom):
-            ours, tvm = _targets(stmt, known)
-            ours.discard(module.name)
+            ours, tvm, foreign = _targets_and_foreign(stmt, known)
+            # itself, and its own packages: Python imports those before the module, always
+            parts = module.name.split(".")
+            ours -= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+            module.foreign |= foreign
             module.imports |= ours
             module.tvm |= tvm
             if at_import:
@@ -214,6 +229,45 @@ def test_service_modules_import_without_tvm() -> None:
         "    importlib.import_module(name)\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tvm', 'tvm_ffi'))\n"
         "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+
+
+CLIENT = sorted(n for n in GRAPH if n.split(".")[0] == "stackfuse")
+
+
+@pytest.mark.parametrize("name", CLIENT)
+def test_the_client_reaches_no_worker_tvm_or_torch(name: str) -> None:
+    reach = _closure(GRAPH, name, at_import=False)
+    assert sorted(m for m in reach if m.split(".")[0] == "worker") == []
+    heavy = {m: GRAPH[m].foreign & {*TVM, "torch"} for m in reach}
+    assert {m: f for m, f in heavy.items() if f or GRAPH[m].tvm} == {}
+
+
+def test_the_client_check_sees_a_lazy_worker_import(tmp_path: Path) -> None:
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "stackfuse" / "client.py").write_text("def f():\n    from service import x\n")
+    (tmp_path / "service" / "x.py").write_text("def g():\n    import worker.y\n")
+    (tmp_path / "worker" / "y.py").write_text("import torch\n")
+    graph = import_graph(tmp_path)
+    reach = _closure(graph, "stackfuse.client", at_import=False)
+    assert "worker.y" in reach and "torch" in graph["worker.y"].foreign
+
+
+def test_the_client_imports_without_tvm_worker_or_torch() -> None:
+    """The same, by using the client in a fresh interpreter."""
+    code = (
+        "import sys, stackfuse, stackfuse.errors\n"
+        "stackfuse.default_url()\n"
+        "stackfuse.Client('http://127.0.0.1:1').close()\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tvm', 'tvm_ffi', 'torch', 'worker'))\n"
+        "assert not bad, bad\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120

@@ -552,3 +552,22 @@ def test_openapi_refs_resolve_and_errors_are_problem_json(client: httpx.Client) 
                 if int(code) >= 400:
                     assert list(response["content"]) == [PROBLEM], (path, method, code)
     assert "431" in doc["paths"]["/optimize"]["post"]["responses"]
+
+
+# --- /docs works offline ------------------------------------------------------------------------
+def test_docs_load_only_local_assets(client: httpx.Client) -> None:
+    """Swagger UI's page names only assets this API serves (no CDN), and each one answers."""
+    import re
+
+    for page in ("/docs", "/redoc"):
+        r = client.get(page)
+        assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+        urls = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", r.text)
+        urls += re.findall(r"""url:\s*['"]([^'"]+)['"]""", r.text)  # the OpenAPI document
+        assets = [u for u in urls if u.endswith((".js", ".css", ".png", ".json"))]
+        assert len(assets) >= 2, r.text
+        for url in urls:
+            assert not re.match(r"^(https?:)?//", url), f"{page} loads {url} from elsewhere"
+        for url in assets:
+            got = client.get(url)
+            assert got.status_code == 200 and len(got.content) > 100, url
