@@ -16,8 +16,9 @@ COPY service /src/service
 COPY worker /src/worker
 
 # --- api -------------------------------------------------------------------------------------------
-# apache-tvm is a dependency of the package and gets installed, but the API process never
-# imports it (tests/service/test_api.py checks the running process's memory maps).
+# The package without extras: the service alone, no TVM, CUTLASS or numpy (the `worker` extra).
+# The API process never imports them (tests/test_import_graph.py, and tests/service/test_api.py
+# checks the running process's memory maps); .ci/containers starts this image.
 FROM ${PYTHON_IMAGE} AS api
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -35,7 +36,7 @@ USER stackfuse
 WORKDIR /home/stackfuse
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('STACKFUSE_API_PORT', '8000'), timeout=2)"]
 CMD ["stackfuse", "api"]
 
 # --- worker ----------------------------------------------------------------------------------------
@@ -54,7 +55,9 @@ RUN apt-get update \
  && useradd --create-home --uid 10001 --shell /usr/sbin/nologin stackfuse \
  && mkdir -p /data && chown stackfuse:stackfuse /data
 COPY --from=src /src /src
-RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install /src && rm -rf /src
+# worker: the compiler toolchain; cuda: the pinned nvcc 13.0.88 from PyPI, so that the image
+# has nvcc whatever its base (a CUDA image's own /usr/local/cuda is found first)
+RUN python3 -m venv /opt/venv && /opt/venv/bin/pip install '/src[worker,cuda]' && rm -rf /src
 ENV PATH=/opt/venv/bin:$PATH \
     CUDA_HOME=/usr/local/cuda \
     STACKFUSE_DATA_DIR=/data

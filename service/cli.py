@@ -523,9 +523,28 @@ def print_summary(report: Any) -> None:
 
 # --- import (PyTorch / ONNX -> TVM JSON, on the user's machine) -------------------------------
 def _register_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from worker.importers import add_cli  # lazy: keeps `stackfuse --help` fast
+    p = sub.add_parser(
+        "import",
+        help="PyTorch (.pt2 or module:function) or ONNX -> Relax TVM JSON for /optimize",
+    )
+    p.add_argument("model", help="an .onnx file, a torch.export .pt2 file, or pkg.module:function")
+    p.add_argument("--out", type=Path, required=True, help="where to write the TVM JSON")
+    p.add_argument("--dtype", choices=["float16", "float32"], help="cast floats first (PyTorch)")
+    p.add_argument(
+        "--dynamic",
+        metavar="batch:MAX,seq:MAX",
+        help="make the inputs' batch (axis 0) and/or sequence (axis 1) symbolic, up to MAX",
+    )
+    p.add_argument("--submit", metavar="URL", help="then POST it to the API at URL")
+    p.add_argument("--arch", default="sm_90", help="with --submit: target arch")
+    p.set_defaults(func=_cmd_import)
 
-    add_cli(sub)
+
+def _cmd_import(args: argparse.Namespace, settings: Settings) -> int:
+    # worker.importers loads numpy and TVM (the worker extra), which the API image lacks
+    from worker.importers import run_cli
+
+    return run_cli(args, settings)
 
 
 # --- gc (service.retention) -------------------------------------------------------------------

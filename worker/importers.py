@@ -1191,25 +1191,6 @@ def import_any(
 # --------------------------------------------------------------------------------------------
 # CLI: `stackfuse import MODEL --out model.json [--submit URL]`
 # --------------------------------------------------------------------------------------------
-def add_cli(sub: Any) -> None:
-    """Register the ``import`` subcommand on ``stackfuse``'s subparsers."""
-    p = sub.add_parser(
-        "import",
-        help="PyTorch (.pt2 or module:function) or ONNX -> Relax TVM JSON for /optimize",
-    )
-    p.add_argument("model", help="an .onnx file, a torch.export .pt2 file, or pkg.module:function")
-    p.add_argument("--out", type=Path, required=True, help="where to write the TVM JSON")
-    p.add_argument("--dtype", choices=["float16", "float32"], help="cast floats first (PyTorch)")
-    p.add_argument(
-        "--dynamic",
-        metavar="batch:MAX,seq:MAX",
-        help="make the inputs' batch (axis 0) and/or sequence (axis 1) symbolic, up to MAX",
-    )
-    p.add_argument("--submit", metavar="URL", help="then POST it to the API at URL")
-    p.add_argument("--arch", default="sm_90", help="with --submit: target arch")
-    p.set_defaults(func=run_cli)
-
-
 def run_cli(args: argparse.Namespace, settings: Any = None) -> int:
     """Exit status as service.cli's: 0 ok, 1 failed, 2 bad input, 3 infrastructure."""
     from service.errors import StackfuseError
