@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import CompileError, InputError, RequestError, StackfuseError
-from service.settings import Settings, get_settings
+from service.settings import Settings, get_settings, redact_url
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_INFRA = 0, 1, 2, 3
 
@@ -72,7 +72,7 @@ def _cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from worker.tasks import run_worker, run_workers
 
     if not redis_answers(settings.redis_url, 5.0):
-        return _fail(f"no Redis answers at {settings.redis_url}", EXIT_INFRA)
+        return _fail(f"no Redis answers at {redact_url(settings.redis_url)}", EXIT_INFRA)
     if args.burst:
         run_worker(settings, burst=True)
         return EXIT_OK
@@ -270,19 +270,6 @@ def _cmd_keys_revoke(args: argparse.Namespace, settings: Settings) -> int:
 
 
 # --- where `serve` listens (so that `submit` and stackfuse.Client find it) --------------------
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (if any) shown as ``***``."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def write_serve_state(settings: Settings, url: str) -> Path:

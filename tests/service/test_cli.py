@@ -190,12 +190,15 @@ def test_submit_finds_the_api_serve_started_or_stackfuse_url(
     assert r.returncode == 2 and "Unknown target" in r.stderr
 
 
-def test_redis_passwords_are_not_printed() -> None:
-    from service.cli import redact_url
+def test_serve_redacts_every_redis_credential_form() -> None:
+    """`serve` prints the Redis URL with the API's redaction (service.settings.redact_url):
+    a password in the userinfo or in the query string alike."""
+    from service import cli, settings
 
-    assert redact_url("redis://:s3cret@db:6380/2") == "redis://:***@db:6380/2"
-    assert redact_url("redis://u:p@h/0") == "redis://u:***@h/0"
-    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert cli.redact_url is settings.redact_url
+    assert cli.redact_url("redis://:s3cret@db:6380/2") == "redis://***@db:6380/2"
+    assert "s3cret" not in cli.redact_url("redis://db:6380/2?password=s3cret")
+    assert cli.redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
 
 def test_submit_reports_a_refusal_with_status_2(
