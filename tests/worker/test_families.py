@@ -26,6 +26,7 @@ from tests.hf_models import build, example_ids
 from worker.importers import import_any
 from worker.normalize import normalize
 from worker.partition import PartitionResult, partition
+from worker.selection import select_kernel
 from worker.toolchain import import_tvm
 
 tvm = import_tvm()
@@ -55,6 +56,8 @@ class Family:
     causal: str = "TopLeft"
     #: the words of the float32 imports' reasons, where they differ (no grouped_kv there)
     words_f32: list[str] | None = None
+    #: the kernel family every fused site gets on sm_90 (worker.selection)
+    kernel: str = "hopper"
 
 
 STACKED = ["stacked"] * LAYERS
@@ -89,6 +92,7 @@ FAMILIES = {
         48,
         PLAIN,
         [*ROTARY, "sliding-window mask", "last 32 keys", "k and v repeated", "`broadcast_to`"],
+        kernel="sm80",
     ),
     "qwen2": Family(
         "qwen2",
@@ -170,6 +174,11 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
     elif fam.outcomes:
         assert {m.causal for m in res.match_entries()} == {fam.causal}
         assert not any(m.bias for m in res.match_entries())
+    # each fused site has a kernel on sm_90 (rendered, not compiled)
+    for ff in res.functions:
+        assert ff.analysis.spec is not None
+        _, why = select_kernel(ff.analysis.spec, ARCH)
+        assert why.startswith("Hopper FMHA" if fam.kernel == "hopper" else "SM80-class"), why
 
 
 def _run_cpu(model: Any, x: Any, imported: Any, mod: Any) -> None:
