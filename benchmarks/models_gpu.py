@@ -36,6 +36,16 @@ CASES: list[tuple[str, str, str, str, int, int, str]] = [
     ("bert_fp16", "bert", "torch", "float16", 4, 256, "sm_90"),
     ("neox_fp16", "neox", "torch", "float16", 4, 256, "sm_90"),
     ("gpt2_onnx_fp32", "gpt2", "onnx", "float32", 4, 256, "sm_90"),
+    # one per family (tests/worker/test_families.py): numerics of each family's sites and
+    # outcomes on the GPU; ViT's "seq" is its 256 patches (257 tokens with the class token)
+    ("neox_rotary_fp16", "neox_rotary", "torch", "float16", 2, 256, "sm_90"),
+    ("mistral_fp16", "mistral", "torch", "float16", 2, 256, "sm_90"),
+    ("mistral_window_fp16", "mistral_window", "torch", "float16", 2, 256, "sm_90"),
+    ("qwen2_fp16", "qwen2", "torch", "float16", 2, 256, "sm_90"),
+    ("phi3_fp16", "phi3", "torch", "float16", 2, 256, "sm_90"),
+    ("bloom_fp16", "bloom", "torch", "float16", 2, 256, "sm_90"),
+    ("gpt_bigcode_fp16", "gpt_bigcode", "torch", "float16", 2, 256, "sm_90"),
+    ("vit_fp16", "vit", "torch", "float16", 2, 256, "sm_90"),
     ("gpt2_small_b8_s1024", "gpt2_small", "torch", "float16", 8, 1024, "sm_90"),
     ("bert_base_b32_s128", "bert_base", "torch", "float16", 32, 128, "sm_90"),
     ("llama_b1_s2048", "llama", "torch", "float16", 1, 2048, "sm_90"),
@@ -181,6 +191,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> None:
             "sites": s.attention_sites,
             "fused_stacked": s.fused_stacked,
             "fused_plain": s.fused_plain,
+            "not_attention": s.not_attention,
             "gemm_sites": s.gemm_sites,
             "gemm_offloaded": s.gemm_offloaded,
             "gemm_configurations": s.gemm_configurations,
@@ -259,6 +270,7 @@ def check_one(
         row["static_case"] = static_case(doc["model"], *size)
     row["arch"] = doc.get("arch", "sm_90")
     row.update(sites=doc["sites"], fused_stacked=doc["fused_stacked"], variants=doc["variants"])
+    row.update({k: doc[k] for k in ("fused_plain", "not_attention") if k in doc})
     row.update(
         {k: doc[k] for k in ("gemm_sites", "gemm_offloaded", "gemm_configurations") if k in doc}
     )
@@ -267,6 +279,9 @@ def check_one(
     model = build_model(doc["model"])
     row["weights_identical"] = state_digest(model) == doc["state_sha256"]
     ids = example_ids(doc["model"], row["batch"], row["seq"]).cuda()
+    # the float32 reference reads the input as it is; the library and PyTorch's run in the
+    # case's dtype read pixels (ViT) in that dtype, as the import cast them
+    run_ids = ids.to(getattr(torch, doc["dtype"])) if ids.is_floating_point() else ids
     state = {k: v for k, v in model.state_dict().items()}
     extra = {}
     if (case_dir / "extra_params.npz").exists():
@@ -283,7 +298,7 @@ def check_one(
         # a TF32 library's peer is PyTorch with TF32 matmuls too (the reference stays float32)
         torch.backends.cuda.matmul.allow_tf32 = bool(doc.get("options", {}).get("allow_tf32"))
         run_model = build_model(doc["model"]).to(dt).cuda().eval()
-        eager_out = run_model(ids)
+        eager_out = run_model(run_ids)
     vm = VirtualMachine(tvm.runtime.load_module(str(case_dir / "model.so")), tvm.cuda(0))
     weights = [tvm.runtime.from_dlpack(t) for t in params]
     if "main_transform_params" in doc.get("calling_convention", ""):
@@ -292,7 +307,7 @@ def check_one(
             weights = list(vm["main_transform_params"](weights))
         torch.cuda.synchronize()
         row["transform_params_ms"] = round((time.monotonic() - t0) * 1000, 2)
-    args = [tvm.runtime.from_dlpack(ids), *weights]
+    args = [tvm.runtime.from_dlpack(run_ids), *weights]
     main = vm["main"]
 
     def ours() -> Any:
@@ -317,15 +332,15 @@ def check_one(
     if row["arch"] != "sm_90":
         return row  # numerics only: another arch's kernels, JIT-compiled from PTX
     with torch.no_grad():
-        row["eager_us"] = _time_cuda(lambda: run_model(ids), torch)
+        row["eager_us"] = _time_cuda(lambda: run_model(run_ids), torch)
         row["stackfuse_us"] = _time_cuda(ours, torch)
         if row["batch"] * row["seq"] >= 2048:  # whole models at real sizes
             breakdown["stackfuse"] = gpu_breakdown(ours, torch)
-            breakdown["eager"] = gpu_breakdown(lambda: run_model(ids), torch)
+            breakdown["eager"] = gpu_breakdown(lambda: run_model(run_ids), torch)
         if size is not None:  # the peers were timed at this size in the static row
             return row
         way, mode = COMPILE_MODES[0]
-        _time_compiled(row, way, mode, run_model, ids, deadline, torch)
+        _time_compiled(row, way, mode, run_model, run_ids, deadline, torch)
     _speedups(row)
     return row
 
@@ -364,6 +379,7 @@ def autotune_one(case_dir: Path, row: dict[str, Any], deadline: float) -> None:
     doc = json.loads((case_dir / "case.json").read_text())
     dt = getattr(torch, doc["dtype"])
     ids = example_ids(doc["model"], doc["batch"], doc["seq"]).cuda()
+    ids = ids.to(dt) if ids.is_floating_point() else ids
     run_model = build_model(doc["model"]).to(dt).cuda().eval()
     for way, mode in COMPILE_MODES[1:]:
         _time_compiled(row, way, mode, run_model, ids, deadline, torch)
@@ -480,7 +496,10 @@ def to_markdown(doc: dict[str, Any]) -> str:
 
         lines.append(
             f"| {r['case']} | {r.get('arch', 'sm_90')} | "
-            f"{r.get('fused_stacked', '-')}/{r.get('sites', '-')} | "
+            f"{r.get('fused_stacked', '-')}/{r.get('sites', '-')}"
+            + (f" (+{r['fused_plain']} plain)" if r.get("fused_plain") else "")
+            + (f" ({r['not_attention']} not attention)" if r.get("not_attention") else "")
+            + " | "
             f"{r.get('gemm_offloaded', '-')}/{r.get('gemm_sites', '-')} | "
             f"{r.get('gemm_configurations', '-')} | {f('rel_error')} | {f('eager_rel_error')} | "
             f"{r.get('passed')} | "

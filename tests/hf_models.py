@@ -60,6 +60,101 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "max_position_embeddings": 512,
         },
     ),
+    # the other families (issue #35), each at 2 layers, hidden 256, 4 query heads of 64
+    # Mistral: Llama's layer with a sliding window; 4096 is longer than any test, so the mask
+    # folds to a plain causal one
+    "mistral": (
+        "MistralModel",
+        "MistralConfig",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "vocab_size": 1000,
+            "max_position_embeddings": 1024,
+            "sliding_window": 4096,
+        },
+    ),
+    # ... and a window shorter than the tests' sequences (WINDOWED_SEQ): a banded mask
+    "mistral_window": (
+        "MistralModel",
+        "MistralConfig",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "vocab_size": 1000,
+            "max_position_embeddings": 1024,
+            "sliding_window": 32,
+        },
+    ),
+    # Qwen2: Llama's layer with biases on q, k, v
+    "qwen2": (
+        "Qwen2Model",
+        "Qwen2Config",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "vocab_size": 1000,
+            "max_position_embeddings": 1024,
+        },
+    ),
+    # Phi-3: one qkv_proj and one gate_up_proj, GQA, rotary
+    "phi3": (
+        "Phi3Model",
+        "Phi3Config",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "vocab_size": 1000,
+            "max_position_embeddings": 1024,
+            "original_max_position_embeddings": 1024,
+            "pad_token_id": 0,
+        },
+    ),
+    # Bloom: fused per-head query_key_value, ALiBi position biases (no position embeddings)
+    "bloom": (
+        "BloomModel",
+        "BloomConfig",
+        {"n_layer": 2, "hidden_size": 256, "n_head": 4, "vocab_size": 1000},
+    ),
+    # GPTBigCode (StarCoder): multi-query, one c_attn giving q (4 heads), k and v (1 head)
+    "gpt_bigcode": (
+        "GPTBigCodeModel",
+        "GPTBigCodeConfig",
+        {
+            "n_layer": 2,
+            "n_embd": 256,
+            "n_head": 4,
+            "n_inner": 1024,
+            "vocab_size": 1000,
+            "n_positions": 1024,
+            "multi_query": True,
+        },
+    ),
+    # ViT: an encoder on 16x16 patches of a 256x256 image: 256 patches and the class token
+    "vit": (
+        "ViTModel",
+        "ViTConfig",
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "intermediate_size": 1024,
+            "image_size": 256,
+            "patch_size": 16,
+        },
+    ),
     # real sizes, for the whole-model benchmark (benchmarks/models_gpu.py); vocabularies cut
     # to 8192 rows (the embedding is a lookup, not a GEMM, in these bodies)
     "gpt2_small": ("GPT2Model", "GPT2Config", {"vocab_size": 8192, "n_positions": 1024}),
@@ -135,7 +230,7 @@ def build(name: str, seed: int = 0, **overrides: Any) -> Any:
 
     model_cls, config_cls, kwargs = MODELS[name]
     config = getattr(transformers, config_cls)(**{**kwargs, **overrides}, use_cache=False)
-    if model_cls == "BertModel":
+    if model_cls in ("BertModel", "ViTModel"):
         inner = getattr(transformers, model_cls)(config, add_pooling_layer=False)
     else:
         inner = getattr(transformers, model_cls)(config)
@@ -156,8 +251,21 @@ def build(name: str, seed: int = 0, **overrides: Any) -> Any:
     return Wrapper(inner).eval()
 
 
+#: models whose input is an image, not token ids (``example_ids`` gives pixels for them)
+PIXEL_MODELS = frozenset({"vit"})
+
+
 def example_ids(name: str, batch: int, seq: int, seed: int = 1) -> Any:
+    """The model's input: token ids ``[batch, seq]``, or for an image model (PIXEL_MODELS)
+    float32 pixels ``[batch, 3, side, side]`` whose ``seq`` 16x16 patches fill its configured
+    image (``seq`` must be that image's patch count; the class token makes ``seq + 1`` tokens)."""
     import torch
 
-    vocab = MODELS[name][2]["vocab_size"]
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    kwargs = MODELS[name][2]
+    if name in PIXEL_MODELS:
+        side, patch = kwargs["image_size"], kwargs["patch_size"]
+        if seq != (side // patch) ** 2:
+            raise ValueError(f"{name} takes {(side // patch) ** 2} patches, not {seq}")
+        return torch.randn((batch, 3, side, side), generator=gen)
+    return torch.randint(0, kwargs["vocab_size"], (batch, seq), generator=gen)

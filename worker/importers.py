@@ -799,8 +799,45 @@ def _keep_dtype(name: str) -> Any:
     return convert
 
 
+def _convolution_converter(node: Any, importer: Any) -> Any:
+    """``aten.convolution`` (ViT's patch embedding): a 2-D float16 convolution accumulates in
+    float32 as TVM's converter does, then comes back to the model's dtype before the bias
+    (TVM's adds a float16 bias to the float32 result and fails). Other forms: TVM's."""
+    from tvm import relax
+
+    want = _torch_dtype(node)
+    args = importer.retrieve_args(node)
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else None
+    transposed = bool(args[6]) if len(args) > 6 else False
+    if want in (None, "float32") or transposed or len(importer.shape_of(x)) != 4:
+        stock = getattr(importer, "_stackfuse_stock", None)
+        if stock is None:
+            stock = importer._stackfuse_stock = importer.create_convert_map()
+        return stock["convolution.default"](node)
+    bb = importer.block_builder
+    res = bb.emit(
+        relax.op.nn.conv2d(
+            x,
+            w,
+            strides=args[3] if len(args) > 3 else 1,
+            padding=args[4] if len(args) > 4 else 0,
+            dilation=args[5] if len(args) > 5 else 1,
+            groups=args[8] if len(args) > 8 else 1,
+            data_layout="NCHW",
+            kernel_layout="OIHW",
+            out_dtype="float32",
+        )
+    )
+    res = bb.emit(relax.op.astype(res, want))
+    if importer._is_no_bias(bias):
+        return res
+    return bb.emit(relax.op.add(res, relax.op.reshape(bias, (1, -1, 1, 1))))
+
+
 #: our converters for aten ops whose stock TVM conversion loses meaning
 CONVERTERS = {
+    "convolution.default": _convolution_converter,
     "scaled_dot_product_attention.default": _sdpa_converter,
     "cumsum.default": _cumsum_converter,
     "addmm.default": _addmm_converter,

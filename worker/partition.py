@@ -1299,6 +1299,8 @@ def _fused_function(gv: ir.GlobalVar, func: Any) -> FusedFunction | None:
 VIEW_OPS = frozenset(
     {"relax.reshape", "relax.permute_dims", "relax.expand_dims", "relax.squeeze", "relax.astype"}
 )
+#: operators that repeat K/V heads up to the query heads (GQA/MQA as exported)
+REPEAT_OPS = frozenset({"broadcast_to", "repeat", "tile"})
 #: where a stacked tensor is cut into q, k and v
 CUT_OPS = frozenset({"relax.split", "relax.strided_slice"})
 #: at most this many bindings are walked back from an operand
@@ -1345,28 +1347,149 @@ def _trace_to_cut(expr: Any, values: dict[Any, Any]) -> tuple[bool, list[str]]:
     return cut, passed
 
 
-def _plain_reason(call: relax.Call, values: dict[Any, Any]) -> str:
+#: an additive bias at or below this masks its key out (exp() of it is 0 in float32)
+MASKED_BIAS = -1.0e4
+
+
+def _constant_of(expr: Any, values: dict[Any, Any], depth: int = 0) -> Any:
+    """The value (numpy) of ``expr`` when it is a constant, through views and casts
+    (``reshape(astype(c))``) and ``where`` of constants (a boolean mask made additive), or
+    None."""
+    import numpy as np
+
+    for _ in range(TRACE_DEPTH):
+        e = values.get(expr, expr)
+        if isinstance(e, ir.expr.GenericConst):
+            return e.value.numpy()
+        op = _op_name(e)
+        if op == "relax.where" and depth < 2:
+            parts = [_constant_of(a, values, depth + 1) for a in e.args]
+            if any(x is None for x in parts):
+                return None
+            return np.where(*parts)
+        if op not in VIEW_OPS:
+            return None
+        expr = e.args[0]
+    return None
+
+
+def _window(keep: Any) -> int | None:
+    """``w`` when ``keep`` (``[..., S, S_kv]`` booleans) lets each query see exactly the
+    ``w`` keys up to its own position (the last ``S`` of ``S_kv``); ``S_kv``: causal."""
+    import numpy as np
+
+    s, skv = keep.shape[-2:]
+    i = np.arange(s)[:, None] + (skv - s)
+    j = np.arange(skv)[None, :]
+    for w in range(1, skv + 1):
+        if np.array_equal(keep, np.broadcast_to((j <= i) & (j > i - w), keep.shape)):
+            return w
+    return None
+
+
+def _bias_kind(expr: Any, values: dict[Any, Any]) -> str:
+    """What an additive bias on the scores is, in words: a constant mask (causal, a sliding
+    window), a constant position bias (ALiBi's), or a bias computed from the inputs."""
+    import numpy as np
+
+    const = _constant_of(expr, values)
+    shape = shape_of(expr)
+    dims = f"[{', '.join(str(dim_label(d)) for d in shape)}] " if shape else ""
+    if const is None:
+        return f"a {dims}bias computed from the inputs (a padding mask, a position bias)"
+    arr = np.asarray(const, dtype="float32")
+    keep = arr > MASKED_BIAS
+    if arr.ndim < 2 or np.any(arr[keep] != 0.0):
+        return (
+            f"a constant {dims}position bias (values other than 0 and masked: ALiBi's "
+            "per-head slopes)"
+        )
+    if keep.all():
+        return f"a constant {dims}mask that keeps every key"
+    w = _window(keep)
+    if w == keep.shape[-1]:
+        return f"a constant {dims}causal mask"
+    if w is not None:
+        return f"a constant {dims}sliding-window mask (each query sees its last {w} keys)"
+    return f"a constant {dims}mask that is neither causal nor all-true"
+
+
+def _plain_reason(call: relax.Call, values: dict[Any, Any], failures: list[str]) -> str:
     computed = []
+    viewed = []
+    repeated: dict[str, None] = {}
+    repeats: dict[str, None] = {}
     for name, arg in zip("qkv", call.args[:3], strict=True):
         cut, passed = _trace_to_cut(arg, values)
-        if passed:
-            ops = ", ".join(f"`{o}`" for o in dict.fromkeys(passed))
+        rest = [o for o in passed if o not in REPEAT_OPS]
+        if rest:
+            ops = ", ".join(f"`{o}`" for o in dict.fromkeys(rest))
             computed.append(f"{name} passes through {ops}" + (" after the split" if cut else ""))
-    if computed:
-        return (
-            "; ".join(computed) + ": not a view of one stacked tensor (rotary embeddings, a "
-            "projection of its own), so fused as plain attention with q, k, v in memory"
+        if len(rest) < len(passed):
+            repeated[name] = None
+            repeats.update((f"`{o}`", None) for o in passed if o in REPEAT_OPS)
+        viewed.append(_view_ops(arg, values))
+    bias = ""
+    if len(call.args) > 3 and isinstance(call.args[3], relax.Expr):
+        bias = f"; the attention reads a bias tensor, {_bias_kind(call.args[3], values)}"
+    if computed or repeated:
+        said = []
+        if computed:
+            said.append(
+                "; ".join(computed) + ": not a view of one stacked tensor (rotary embeddings, "
+                "a projection of its own)"
+            )
+        if repeated:
+            said.append(
+                f"{' and '.join(repeated)} repeated up to the query heads ({', '.join(repeats)})"
+                ": grouped_kv reads K/V heads grouped only on sm_90, in float16/bfloat16, "
+                "without a bias"
+            )
+        return "; ".join(said) + bias + ", so fused as plain attention with q, k, v in memory"
+    heads = [shape_of(a) for a in call.args[:3]]
+    parts = []
+    nq = heads[0][2] if heads[0] and len(heads[0]) == 4 else None
+    nkv = heads[1][2] if heads[1] and len(heads[1]) == 4 else None
+    if nq is not None and nkv is not None and not same_dim(nq, nkv):
+        kind = "multi-query" if _is_int_imm(nkv) and int(nkv) == 1 else "grouped-query"
+        parts.append(
+            f"{dim_label(nq)} query heads share {dim_label(nkv)} key/value head(s) ({kind})"
         )
+    for n, views in zip("qkv", viewed, strict=True):
+        if views:
+            names = ", ".join(f"`{o}`" for o in views)
+            parts.append(f"{n} reaches the attention through {names}")
+    why = "; ".join([*parts, *dict.fromkeys(failures)]) or "see check_failures for this site"
     return (
-        "q, k and v are views of one tensor, but no stacked pattern accepted them: see "
-        "check_failures for this site; fused as plain attention"
+        "q, k and v are views of one tensor, but no stacked pattern (split -> reshape -> "
+        f"attention) accepted them: {why}" + bias + "; fused as plain attention"
     )
+
+
+def _view_ops(expr: Any, values: dict[Any, Any]) -> list[str]:
+    """The view operators other than ``reshape`` between a split/slice and ``expr``: the
+    stacked patterns take q, k and v as reshapes of the split's parts."""
+    ops: list[str] = []
+    for _ in range(TRACE_DEPTH):
+        e = values.get(expr, expr)
+        op = _op_name(e)
+        if op is None or op not in VIEW_OPS:
+            break
+        if op != "relax.reshape":
+            ops.append(op.removeprefix("relax."))
+        expr = e.args[0]
+    return list(dict.fromkeys(ops))
+
+
+#: operators that keep a value what it is between the softmax and the matmul that reads it
+PASS_OPS = frozenset({"relax.astype", "relax.reshape"})
 
 
 def _unfused_chains(func: relax.Function, values: dict[Any, Any]) -> list[str]:
     """``matmul -> ... -> softmax -> matmul`` chains left as they are: attention that the
     matcher never reached (ALiBi through ``baddbmm``, a bias computed from an input)."""
     users: dict[Any, list[Any]] = {}
+    bound = {id(v): k for k, v in values.items()}
     for value in values.values():
         for a in getattr(value, "args", []):
             if isinstance(a, relax.Var):
@@ -1376,22 +1499,36 @@ def _unfused_chains(func: relax.Function, values: dict[Any, Any]) -> list[str]:
         if _op_name(value) != "relax.nn.softmax":
             continue
         between: list[str] = []
+        biases: list[str] = []
         e, steps = value.args[0], 0
         while steps < 8 and _op_name(values.get(e)) not in (None, "relax.matmul"):
             nxt = values[e]
             between.append(str(_op_name(nxt)).removeprefix("relax."))
             e = next((a for a in nxt.args if isinstance(a, relax.Var) and a in values), None)
+            if _op_name(nxt) == "relax.add":
+                biases += [_bias_kind(a, values) for a in nxt.args if not a.same_as(e)]
             steps += 1
         if _op_name(values.get(e)) != "relax.matmul":
             continue
-        if not any(_op_name(u) == "relax.matmul" for u in users.get(var, [])):
+        # the probabilities may be cast or reshaped before the matmul that reads them
+        ends, frontier = False, [var]
+        for _ in range(4):
+            nxt_users = [u for v in frontier for u in users.get(v, [])]
+            if any(_op_name(u) == "relax.matmul" for u in nxt_users):
+                ends = True
+                break
+            frontier = [bound[id(u)] for u in nxt_users if _op_name(u) in PASS_OPS]
+        if not ends:
             continue
         ops = ", ".join(f"`{o}`" for o in dict.fromkeys(between)) or "nothing"
+        what = (
+            f"; it adds {len(biases)} bias(es) to the scores: {'; '.join(biases)}" if biases else ""
+        )
         out.append(
             f"`{name_of(var)}`: matmul -> softmax -> matmul with {ops} between the scores and "
-            "the softmax was not recognised as attention (a bias that is not constant, such "
-            "as ALiBi or a mask built from an input, or a scale on both q and k); it runs "
-            "unfused in TVM"
+            "the softmax was not recognised as attention (decomposed_attention takes a "
+            "scale, one additive mask and casts between the matmul and the softmax, at one "
+            "rank)" + what + "; it runs unfused in TVM"
         )
     return out
 
@@ -1414,11 +1551,8 @@ def site_reasons(tagged: tvm.IRModule, result: PartitionResult) -> list[SiteReas
                 continue
             where = _where_for(result.sites, sid)
             if kinds.get(sid) == "plain":
-                out.append(
-                    SiteReason(
-                        where=where, outcome="fused_plain", reason=_plain_reason(value, values)
-                    )
-                )
+                reason = _plain_reason(value, values, failed.get(where.site, []))
+                out.append(SiteReason(where=where, outcome="fused_plain", reason=reason))
                 continue
             why = "; ".join(dict.fromkeys(failed.get(where.site, []))) or "no pattern matched"
             out.append(

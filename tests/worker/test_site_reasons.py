@@ -42,3 +42,28 @@ def test_a_softmax_chain_that_is_not_a_site_is_explained() -> None:
     assert reason.outcome == "not_attention"
     assert "`add`" in reason.reason and "`multiply`" in reason.reason
     assert "not recognised as attention" in reason.reason
+
+
+def test_a_bias_is_named_by_what_it_masks() -> None:
+    """The bias a plain site reads, in words: causal, a window of w keys, all-true, a position
+    bias (values other than 0 and masked), or computed from the inputs."""
+    import numpy as np
+    from tvm import relax
+
+    from worker.partition import _bias_kind
+
+    s = 8
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+
+    def const(keep: np.ndarray, values: float | np.ndarray = 0.0) -> Any:
+        bias = np.where(keep, values, np.float32(-3.0e4)).astype("float16")
+        return relax.const(np.broadcast_to(bias, (2, 1, s, s)).copy())
+
+    assert "causal mask" in _bias_kind(const(j <= i), {})
+    window = _bias_kind(const((j <= i) & (j > i - 3)), {})
+    assert "sliding-window mask" in window and "last 3 keys" in window
+    assert "keeps every key" in _bias_kind(const(np.ones((s, s), bool)), {})
+    alibi = _bias_kind(const(j <= i, -0.5 * (i - j).astype("float32")), {})
+    assert "position bias" in alibi and "ALiBi" in alibi
+    x = relax.Var("mask", relax.TensorType((2, 1, s, s), "float16"))
+    assert "computed from the inputs" in _bias_kind(x, {})

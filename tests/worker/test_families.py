@@ -1,0 +1,218 @@
+"""One test model per architecture family (transformers configs, random weights, no
+downloads): imported as the GPU build imports it (float16, normalized and partitioned for
+sm_90, no kernels compiled), every attention site's outcome and, for each site not fused
+stacked, the words of its reason; then the normalized float32 module on the CPU (LLVM) against
+PyTorch eager. Each family also goes through the ONNX route (dynamo export, float32): all of
+them export and import today.
+
+The table in docs/models.md is this file's expectations, with the H200 numerics of
+benchmarks/models_gpu.py beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from service.spec import CompileOptions
+from tests.hf_models import build, example_ids
+from worker.importers import import_any
+from worker.normalize import normalize
+from worker.partition import PartitionResult, partition
+from worker.selection import select_kernel
+from worker.toolchain import import_tvm
+
+tvm = import_tvm()
+OPTS = CompileOptions()
+ARCH = "sm_90"
+LAYERS = 2
+#: rotary embeddings: q and k computed after the split (rotate_half: negate, concat, scale)
+ROTARY = ["q passes through", "k passes through", "`multiply`", "after the split", "rotary"]
+
+
+@dataclass
+class Family:
+    model: str
+    #: tokens per sequence (ViT: patches, the class token comes on top)
+    seq: int
+    #: per site: "stacked" or "plain"; empty: no site at all
+    outcomes: list[str]
+    #: words every reason of a site not fused stacked (or chain not seen) must contain
+    words: list[str] = field(default_factory=list)
+    #: words no reason may contain
+    not_words: list[str] = field(default_factory=list)
+    #: rewrites that must fire in the float16 sm_90 import
+    rewrites: set[str] = field(default_factory=set)
+    #: chains computing attention that are not sites (report.summary.not_attention)
+    not_attention: int = 0
+    #: every fused site's causal flag (encoders: none)
+    causal: str = "TopLeft"
+    #: the words of the float32 imports' reasons, where they differ (no grouped_kv there)
+    words_f32: list[str] | None = None
+    #: the kernel family every fused site gets on sm_90 (worker.selection)
+    kernel: str = "hopper"
+
+
+STACKED = ["stacked"] * LAYERS
+PLAIN = ["plain"] * LAYERS
+FAMILIES = {
+    "gpt2": Family("gpt2", 16, STACKED, rewrites={"transpose_pairs", "integer_power"}),
+    "bert": Family("bert", 16, STACKED, rewrites={"combine_qkv"}, causal="none"),
+    "vit": Family("vit", 256, STACKED, rewrites={"combine_qkv"}, causal="none"),
+    "neox_rotary": Family("neox_rotary", 16, PLAIN, ROTARY, ["v passes"]),
+    # GQA 8/2: the K/V heads are read as they are (grouped_kv), so only rotary is left
+    "llama": Family(
+        "llama_small",
+        16,
+        PLAIN,
+        ROTARY,
+        ["v passes", "broadcast_to", "bias"],
+        {"grouped_kv", "rms_norm", "combine_projections"},
+    ),
+    # sliding window 4096, longer than the sequence: the mask is plain causal
+    "mistral": Family(
+        "mistral",
+        16,
+        PLAIN,
+        ROTARY,
+        ["v passes", "broadcast_to", "bias"],
+        {"grouped_kv", "rms_norm", "combine_projections"},
+    ),
+    # window 32 of 48 tokens: a banded mask, kept as a bias; K/V repeated (no kernel reads a
+    # bias with GQA, so grouped_kv leaves the site alone)
+    "mistral_window": Family(
+        "mistral_window",
+        48,
+        PLAIN,
+        [*ROTARY, "sliding-window mask", "last 32 keys", "k and v repeated", "`broadcast_to`"],
+        kernel="sm80",
+    ),
+    "qwen2": Family(
+        "qwen2",
+        16,
+        PLAIN,
+        ROTARY,
+        ["v passes", "broadcast_to", "bias"],
+        {"grouped_kv", "combine_projections"},
+    ),
+    # one qkv_proj already: nothing to combine; partial rotary factor 1: an empty pass-through
+    "phi3": Family(
+        "phi3", 16, PLAIN, ROTARY, ["v passes", "broadcast_to"], {"grouped_kv", "empty_concat"}
+    ),
+    # multi-query: one K/V head, sliced from c_attn and transposed rather than reshaped
+    "gpt_bigcode": Family(
+        "gpt_bigcode",
+        16,
+        PLAIN,
+        ["views of one tensor", "multi-query", "1 key/value head", "`permute_dims`"],
+        ["passes through"],
+        {"grouped_kv"},
+        words_f32=["k and v repeated", "`broadcast_to`", "float16"],
+    ),
+    # ALiBi: scores + a per-head position bias + the causal mask, never an attention site
+    "bloom": Family(
+        "bloom",
+        16,
+        [],
+        ["not recognised as attention", "position bias", "ALiBi", "causal mask", "unfused"],
+        not_attention=LAYERS,
+    ),
+}
+
+
+def _imported(fam: Family, dtype: str | None, route: str = "torch", tmp: Path | None = None) -> Any:
+    model = build(fam.model)
+    x = example_ids(fam.model, 2, fam.seq)
+    if route == "onnx":
+        import torch
+
+        assert tmp is not None
+        path = tmp / "model.onnx"
+        torch.onnx.export(model, (x,), str(path), dynamo=True, input_names=["ids"])
+        return model, x, import_any(path)
+    return model, x, import_any(model, example_inputs=(x,), dtype=dtype)
+
+
+def _check_outcomes(fam: Family, res: PartitionResult, float16: bool = True) -> None:
+    assert len(res.sites) == len(fam.outcomes)
+    assert [f.pattern.kind for f in res.fused] == fam.outcomes  # nothing left to TVM
+    assert res.unbuildable == []
+    sites = [r for r in res.reasons if r.outcome != "not_attention"]
+    assert [r.outcome for r in sites] == ["fused_plain" for o in fam.outcomes if o == "plain"]
+    assert [r.where.site for r in sites if r.where] == [
+        f"main/attention#{i}" for i, o in enumerate(fam.outcomes) if o == "plain"
+    ]
+    assert len(res.reasons) - len(sites) == fam.not_attention
+    words = fam.words if float16 or fam.words_f32 is None else fam.words_f32
+    for r in res.reasons:
+        for w in words:
+            assert w in r.reason, (w, r.reason)
+        for w in fam.not_words if float16 else []:
+            assert w not in r.reason, (w, r.reason)
+
+
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_sites_and_reasons_float16_sm90(case: str) -> None:
+    """As ``benchmarks/models_gpu.py build`` imports it: float16, normalized for sm_90."""
+    fam = FAMILIES[case]
+    _, _, imported = _imported(fam, "float16")
+    mod, rewrites = normalize(imported.mod, OPTS, ARCH)
+    assert fam.rewrites <= {r.rewrite for r in rewrites}
+    res = partition(mod, OPTS, ARCH)
+    _check_outcomes(fam, res)
+    if case == "mistral_window":
+        assert "grouped_kv" not in {r.rewrite for r in rewrites}
+        assert all(m.bias and m.causal == "none" for m in res.match_entries())
+        assert not any("taken as the attention's causal flag" in n for n in imported.notes)
+    elif fam.outcomes:
+        assert {m.causal for m in res.match_entries()} == {fam.causal}
+        assert not any(m.bias for m in res.match_entries())
+    # each fused site has a kernel on sm_90 (rendered, not compiled)
+    for ff in res.functions:
+        assert ff.analysis.spec is not None
+        _, why = select_kernel(ff.analysis.spec, ARCH)
+        assert why.startswith("Hopper FMHA" if fam.kernel == "hopper" else "SM80-class"), why
+
+
+def _run_cpu(model: Any, x: Any, imported: Any, mod: Any) -> None:
+    import torch
+    from tvm import relax
+
+    with torch.no_grad():
+        want = model(x).numpy()
+    exe = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    args = [x.numpy(), *imported.params.values()]
+    got = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args]).numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_normalized_module_matches_pytorch_on_cpu(case: str) -> None:
+    fam = FAMILIES[case]
+    model, x, imported = _imported(fam, None)
+    mod, _ = normalize(imported.mod, OPTS, ARCH)
+    # float32: no GQA rewrite (that is float16-only), the same sites otherwise
+    _check_outcomes(fam, partition(mod, OPTS, ARCH), float16=False)
+    _run_cpu(model, x, imported, mod)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in FAMILIES if c != "gpt2"])
+def test_onnx_route(case: str, tmp_path: Path) -> None:
+    """The dynamo ONNX export of each family (GPT-2's is in test_real_models): decomposed
+    attention recovered, the same sites, outcomes and reasons as the float32 torch.export."""
+    fam = FAMILIES[case]
+    model, x, imported = _imported(fam, None, "onnx", tmp_path)
+    mod, rewrites = normalize(imported.mod, OPTS, ARCH)
+    if fam.outcomes:
+        assert "decomposed_attention" in {r.rewrite for r in rewrites}
+    _check_outcomes(fam, partition(mod, OPTS, ARCH), float16=False)
+    _run_cpu(model, x, imported, mod)
