@@ -127,6 +127,10 @@ def _dtype(expr: Any) -> str:
     return str(expr.ty.dtype).removeprefix("T.")
 
 
+def _is_float(expr: Any) -> bool:
+    return _dtype(expr) in ("float16", "bfloat16", "float32", "float64")
+
+
 TAG_PREFIX = "stackfuse.normalized."
 
 
@@ -156,6 +160,18 @@ class _Log:
         return relax.Call(call.op, call.args, call.attrs, call.ty_args, span), tag
 
 
+@dataclass
+class _Scores:
+    """The softmax's input as ``alpha * matmul + sum(coefficient * bias)``: each bias with the
+    rank (3 or 4) of the scores it is added to; ``merges``: the (B, N) of each reshape between
+    batch-merged 3-D and 4-D scores on the way to the matmul."""
+
+    matmul: Any = None
+    alpha: float = 1.0
+    biases: list[tuple[Any, float, int]] = field(default_factory=list)
+    merges: set[tuple[int, int]] = field(default_factory=set)
+
+
 # --------------------------------------------------------------------------------------------
 # local rewrites (one mutator, applied to a fixpoint)
 # --------------------------------------------------------------------------------------------
@@ -167,6 +183,7 @@ class _Local(relax.PyExprMutator):
         self.combine = combine
         self.gqa = gqa
         self.split_cache: dict[Any, Any] = {}
+        self.select_splits: dict[tuple[Any, int], Any] = {}
 
     # value of a variable bound earlier in this function (None for parameters)
     def value(self, expr: Any) -> Any:
@@ -441,11 +458,42 @@ class _Local(relax.PyExprMutator):
         val = self.value(expr)
         return val.args[0] if _op(val) == "relax.astype" else expr
 
+    def _float_uncast(self, expr: Any) -> Any:
+        """``x`` for ``astype(x)`` from one float dtype to another (Bloom's float16 export
+        casts q and k to float32 for the scores): the kernels accumulate in float32."""
+        val = self.value(expr)
+        if _op(val) == "relax.astype" and _is_float(val) and _is_float(val.args[0]):
+            return val.args[0]
+        return expr
+
+    def select_as_split(self, expr: Any) -> Any:
+        """``take(x, i, axis)`` with a constant scalar ``i`` (Bloom picks q, k and v out of its
+        ``[B, S, N, 3, H]`` view so) -> ``squeeze(split(x, n, axis)[i], axis)``, one split per
+        ``x``: the per-head interleaved stacked layout the patterns read. ``expr`` otherwise."""
+        val = self.value(expr)
+        if _op(val) != "relax.take" or val.attrs.axis is None:
+            return expr
+        idx = self.value(val.args[1])
+        xs = _shape(val.args[0])
+        if not isinstance(idx, ir.expr.GenericConst) or idx.value.numpy().ndim != 0 or not xs:
+            return expr
+        axis = int(val.attrs.axis) % len(xs)
+        i, n = int(idx.value.numpy()), xs[axis]
+        if not 0 <= i < n:
+            return expr
+        key = (val.args[0], axis)
+        if key not in self.select_splits:
+            self.select_splits[key] = self.emit(relax.op.split(val.args[0], n, axis), "qkv_split")
+        piece = self.emit(relax.TupleGetItem(self.select_splits[key], i), "qkv_part")
+        return self.emit(relax.op.squeeze(piece, [axis]), "qkv_part")
+
     def unmerge(self, x3: Any, transposed: bool) -> tuple[Any, tuple[int, int], float] | None:
         """``x3`` ``[B*N, S, H]`` (``[B*N, H, S]`` when ``transposed``: k after its 3-D
         transpose) made by merging the heads of a 4-D tensor: (that tensor as ``[B, S, N, H]``,
         (B, N), the scale peeled on the way). None for any other form."""
         x, scale = self.strip_scale(x3)
+        x, s_cast = self.strip_scale(self._float_uncast(x))  # float16 q, k cast to float32
+        scale *= s_cast
         val = self.value(x)
         xs = _shape(x)
         if xs is None or len(xs) != 3:
@@ -459,8 +507,9 @@ class _Local(relax.PyExprMutator):
         sv = self.value(src)
         if _op(sv) == "relax.permute_dims":  # a scale folded into q or k before the transpose
             inner, s_in = self.strip_scale(sv.args[0])
-            if s_in != 1.0:
-                src = self.emit(relax.op.permute_dims(inner, _axes(sv)), "bnsh")
+            picked = self.select_as_split(inner)
+            if s_in != 1.0 or picked is not inner:
+                src = self.emit(relax.op.permute_dims(picked, _axes(sv)), "bnsh")
                 s_src *= s_in
         ss = _shape(src)
         if ss is None or len(ss) != 4 or ss[0] * ss[1] != xs[0] or ss[2:] != xs[1:]:
@@ -486,6 +535,8 @@ class _Local(relax.PyExprMutator):
         parts = [p for p in got if p is not None]
         if len(parts) == 3 and len({p[1] for p in parts}) == 1:
             scale = parts[0][2] * parts[1][2] * parts[2][2]
+            if len({_dtype(p[0]) for p in parts}) != 1:
+                return None  # a cast on some of q, k, v only
             return [p[0] for p in parts], parts[0][1], scale
         q, s_q = self.strip_scale(q3)
         kt, s_k = self.strip_scale(kt3)
@@ -494,6 +545,8 @@ class _Local(relax.PyExprMutator):
             self.emit(relax.op.reshape(x, [s[0], s[1], 1, s[2]]), "bsnh")
             for x, s in ((q, qs), (k, [ks[0], ks[2], ks[1]]), (v3, vs))
         ]
+        if len({_dtype(x) for x in out}) != 1:
+            return None
         return out, None, s_q * s_k
 
     def merged_mask(self, mask: Any, bn: int, heads: tuple[int, int] | None) -> Any:
@@ -515,13 +568,188 @@ class _Local(relax.PyExprMutator):
         lead = list(heads) if heads is not None else [bn, 1]
         return self.emit(relax.op.reshape(mask, [*lead, ms[1], ms[2]]), "bias")
 
+    @staticmethod
+    def _merged_pair(a: list[int] | None, b: list[int] | None) -> tuple[int, int] | None:
+        """(B, N) when ``a`` and ``b`` are the batch-merged ``[B*N, S, S_kv]`` and the 4-D
+        ``[B, N, S, S_kv]`` forms of one scores tensor, either way round; else None."""
+        if a is None or b is None:
+            return None
+        if len(a) == 4 and len(b) == 3:
+            a, b = b, a
+        if len(a) == 3 and len(b) == 4 and b[0] * b[1] == a[0] and b[2:] == a[1:]:
+            return b[0], b[1]
+        return None
+
+    def score_terms(self, expr: Any) -> _Scores | None:
+        """The softmax's input as ``alpha * (q @ kT) + sum(c_i * bias_i)``, through float
+        casts, scalar scales (``softmax(c * (s + m))`` is ``softmax(c s + c m)``), adds, and the
+        reshapes that merge or split batch and heads on the way to the matmul (Bloom adds ALiBi
+        to 3-D scores and the causal mask to their 4-D view). None unless exactly one matmul
+        is found."""
+        out = _Scores()
+        # (expression, coefficient, rank of the scores it is added to (None at the softmax),
+        # the batch/head reshapes passed from the softmax to here)
+        todo: list[tuple[Any, float, int | None, frozenset[tuple[int, int]]]] = [
+            (expr, 1.0, None, frozenset())
+        ]
+        while todo:
+            e, coef, rank, path = todo.pop()
+            before: tuple[Any, float] | None = None  # a bias is taken above its reshapes
+            while True:
+                e = self._float_uncast(e)
+                e, c = self.strip_scale(e)
+                coef *= c
+                val = self.value(e)
+                if _op(val) == "relax.astype" and _is_float(val) and _is_float(val.args[0]):
+                    continue
+                pair = (
+                    self._merged_pair(_shape(val.args[0]), _shape(val))
+                    if _op(val) == "relax.reshape"
+                    else None
+                )
+                if pair is None:
+                    break
+                before = before or (e, coef)
+                path = path | {pair}
+                e = val.args[0]
+            op = _op(val)
+            if op == "relax.add":
+                todo += [(a, coef, _ndim(val), path) for a in val.args]
+            elif op == "relax.matmul":
+                if out.matmul is not None:
+                    return None
+                out.matmul, out.alpha, out.merges = val, coef, set(path)
+            elif rank is not None:
+                e, coef = before or (e, coef)
+                out.biases.append((e, coef, rank))
+            else:
+                return None
+        return out if out.matmul is not None else None
+
+    def const_value(self, expr: Any, depth: int = 0) -> np.ndarray | None:
+        """The value of ``expr`` when it is computed from constants alone by ``where``, casts
+        and views (the folded causal mask of a float16 export: ``where(c, 0, -65504)``)."""
+        val = self.value(expr)
+        if isinstance(val, ir.expr.GenericConst):
+            return np.asarray(val.value.numpy())
+        op = _op(val)
+        if op is None or depth > 8:
+            return None
+        if op == "relax.where":
+            c, a, b = (self.const_value(x, depth + 1) for x in val.args)
+            if c is None or a is None or b is None:
+                return None
+            return np.asarray(np.where(c, a, b))
+        if op not in ("relax.astype", "relax.reshape", "relax.expand_dims", "relax.broadcast_to"):
+            return None
+        x = self.const_value(val.args[0], depth + 1)
+        shape = _shape(val)
+        if x is None or shape is None:
+            return None
+        if op == "relax.astype":
+            return x.astype(_dtype(val))
+        return np.broadcast_to(x, shape) if op == "relax.broadcast_to" else x.reshape(shape)
+
+    def mask_mode(self, expr: Any, coef: float, sq: int, skv: int) -> str | None:
+        """``none`` (keeps every key), ``TopLeft`` or ``BottomRight`` when ``coef * expr`` is a
+        constant mask of that kind, the same for every batch entry and head; else None."""
+        arr = self.const_value(expr)
+        if (
+            arr is None
+            or arr.ndim < 2
+            or coef <= 0.0
+            or arr.shape[-2:] not in ((sq, skv), (1, skv))
+        ):
+            return None
+        arr = arr.astype(np.float32)
+        keep = arr > MASKED
+        if np.any(arr[keep] != 0.0):
+            return None
+        pattern = np.broadcast_to(keep, (*arr.shape[:-2], sq, skv)).reshape(-1, sq, skv)
+        if not np.all(pattern == pattern[0]):
+            return None
+        i, j = np.arange(sq)[:, None], np.arange(skv)[None, :]
+        for mode, want in (
+            ("none", np.ones((sq, skv), bool)),
+            ("TopLeft", j <= i),
+            ("BottomRight", j <= i + (skv - sq)),
+        ):
+            if np.array_equal(pattern[0], want):
+                return mode
+        return None
+
+    def scores_bias(
+        self,
+        terms: _Scores,
+        bn: int,
+        heads: tuple[int, int] | None,
+        want: list[int] | None,
+        dtype: str,
+    ) -> tuple[Any, str, list[str]] | None:
+        """The attention's bias (None: no bias), its causal mode and the words for each term:
+        each bias as the 4-D ``[B|1, N|1, S|1, S_kv]`` the attention takes, times its
+        coefficient, summed. Beside another bias, a constant causal (or all-true) mask becomes
+        the causal mode (or nothing): Bloom's ALiBi ``[B*N, 1, S]`` plus its causal mask is a
+        ``[B, N, 1, S]`` bias read with ``causal_mask``. One mask alone is left to
+        ``constant_mask``. None when a bias does not broadcast to the scores."""
+        causal = "none"
+        parts: list[tuple[Any, float]] = []
+        words: list[str] = []
+        for e, coef, rank in terms.biases:
+            if len(terms.biases) > 1 and want is not None:
+                mode = self.mask_mode(e, coef, want[2], want[3])
+                if mode is not None and (mode == "none" or causal in ("none", mode)):
+                    if mode != "none":
+                        causal = mode
+                    words.append(f"constant {mode} mask" if mode != "none" else "zero mask")
+                    continue
+            if rank == 3:
+                e = self.merged_mask(e, bn, heads)
+                if e is None:
+                    return None
+            elif _ndim(e) > 4:
+                return None
+            while _ndim(e) < 4:
+                e = self.emit(relax.op.expand_dims(e, 0))
+            shape = _shape(e)
+            if want is not None and shape is not None:
+                if any(d not in (1, w) for d, w in zip(shape, want, strict=True)):
+                    return None
+                if shape[3] != want[3]:
+                    return None
+            parts.append((e, coef))
+        bias = None
+        for e, coef in parts:
+            if _dtype(e) != dtype:
+                e = self.emit(relax.op.astype(e, dtype))
+            if coef != 1.0:
+                e = self.emit(relax.op.multiply(e, relax.const(coef, dtype)), "bias")
+            shape = _shape(e)
+            per_head = (
+                shape is not None and want is not None and shape[1] == want[1] > 1 and shape[2] == 1
+            )
+            what = f"{shape if shape is not None else '?'} bias" + (
+                " (one row per head: ALiBi's form)" if per_head else ""
+            )
+            words.append(what + (f" x {coef:.6g}" if coef != 1.0 else ""))
+            bias = e if bias is None else self.emit(relax.op.add(bias, e), "bias")
+        return bias, causal, words
+
     def decomposed(self, call: relax.Call) -> Any:
-        """``matmul(softmax(scale * q @ kT [+ mask], -1), v)`` -> attention: 4-D ``[B, N, S,
+        """``matmul(softmax(scale * q @ kT [+ biases]), v)`` -> attention: 4-D ``[B, N, S,
         H]``, or 3-D with batch and heads merged (``[B*N, S, H]``, upstream TVM's rewrite form,
-        heads recovered from the reshapes that merged them)."""
+        heads recovered from the reshapes that merged them). The softmax may run on a 4-D view
+        of 3-D scores (Bloom: ``baddbmm`` of ALiBi and the scaled scores, viewed 4-D for the
+        causal mask, softmax, viewed 3-D again for the matmul)."""
         probs = self.value(call.args[0])
         v = call.args[1]
         safe = False
+        rank = _ndim(call)
+        merged_back = rank == 3 and _op(probs) == "relax.reshape"  # 4-D probabilities, 3-D
+        if merged_back and self._merged_pair(_shape(probs.args[0]), _shape(probs)) is not None:
+            probs = self.value(probs.args[0])
+        if _op(probs) == "relax.astype":
+            probs = self.value(probs.args[0])
         if _op(probs) == "relax.where":  # where(isnan(p), 0, p): PyTorch's safe softmax
             cond, zero, p = (self.value(a) for a in probs.args)
             if _op(cond) == "relax.isnan" and _scalar(zero) == 0.0:
@@ -531,33 +759,19 @@ class _Local(relax.PyExprMutator):
             _ = p
         if _op(probs) == "relax.astype":
             probs = self.value(probs.args[0])
-        rank = _ndim(call)
         if _op(probs) != "relax.nn.softmax" or rank not in (3, 4):
             return call
-        if int(probs.attrs.axis) % rank != rank - 1:
+        srank = _ndim(probs)
+        if int(probs.attrs.axis) % srank != srank - 1:
             return call
-        # softmax(c * (q k^T + mask)) is softmax(c q k^T + c mask): a scale outside the mask
-        scores, s_mask = self.strip_scale(self._uncast(probs.args[0]))
-        scores = self._uncast(scores)
-        scores_v = self.value(scores)
-        mask = None
-        if _op(scores_v) == "relax.add":
-            a, b = scores_v.args
-            if _op(self.value(self.strip_scale(a)[0])) == "relax.matmul":
-                scores, mask = a, b
-            elif _op(self.value(self.strip_scale(b)[0])) == "relax.matmul":
-                scores, mask = b, a
-            else:
-                return call
-        scores, s_out = self.strip_scale(scores)
-        s_out *= s_mask
-        mm = self.value(scores)
-        if _op(mm) != "relax.matmul":
+        terms = self.score_terms(probs.args[0])
+        if terms is None:
             return call
+        mm = terms.matmul
         if not (_ndim(mm.args[0]) == _ndim(mm.args[1]) == _ndim(v) == rank):
             return call
-        dtype = _dtype(call)
         heads: tuple[int, int] | None = None
+        merged_heads: tuple[int, int] | None
         if rank == 4:
             q, s_q = self.strip_scale(mm.args[0])
             kt, s_k = self.strip_scale(mm.args[1])
@@ -569,6 +783,8 @@ class _Local(relax.PyExprMutator):
             # one K/V head broadcast by the matmuls themselves is multi-query attention
             if not (kts[1] == vs[1] and kts[1] in (qs[1], 1)):
                 return call
+            if not terms.merges <= {(qs[0], qs[1])}:
+                return call
             to_bsnh = [0, 2, 1, 3]
             qb = self.emit(relax.op.permute_dims(q, to_bsnh))
             kb = self.emit(relax.op.permute_dims(kt, [0, 3, 1, 2]))
@@ -577,51 +793,66 @@ class _Local(relax.PyExprMutator):
                 kb = self.emit(relax.op.repeat(kb, qs[1], axis=2), "k")
                 vb = self.emit(relax.op.repeat(vb, qs[1], axis=2), "v")
             s_in = s_q * s_k
+            bn, merged_heads = qs[0] * qs[1], (qs[0], qs[1])
         else:
             merged = self.merged_operands(mm.args[0], mm.args[1], v)
             if merged is None:
                 return call
             (qb, kb, vb), heads, s_in = merged
-        if mask is not None:
-            if rank == 3:
-                bn = (_shape(mm.args[0]) or [0])[0]
-                mask = self.merged_mask(mask, bn, heads)
-                if mask is None:
-                    return call
-            if _ndim(mask) > 4:
+            if terms.merges and (heads is None or terms.merges != {heads}):
                 return call
-            while _ndim(mask) < 4:
-                mask = self.emit(relax.op.expand_dims(mask, 0))
-            if _dtype(mask) != dtype:
-                mask = self.emit(relax.op.astype(mask, dtype))
-            if s_mask != 1.0:
-                mask = self.emit(relax.op.multiply(mask, relax.const(s_mask, dtype)), "bias")
-        scale = s_out * s_in
+            bn, merged_heads = (_shape(mm.args[0]) or [0])[0], heads
+        dtype = _dtype(qb)
+        qbs, kbs = _shape(qb), _shape(kb)
+        want = None if qbs is None or kbs is None else [qbs[0], qbs[2], qbs[1], kbs[1]]
+        got = self.scores_bias(terms, bn, merged_heads, want, dtype)
+        if got is None:
+            return call
+        mask, causal, words = got
+        scale = terms.alpha * s_in
         call_att, tag = self.log.tagged(
-            relax.op.nn.attention(qb, kb, vb, mask, tirx.FloatImm("float32", scale))
+            relax.op.nn.attention(
+                qb,
+                kb,
+                vb,
+                mask,
+                tirx.FloatImm("float32", scale),
+                causal_mask=None if causal == "none" else causal,
+            )
         )
         att = self.emit(call_att, "attn")
         form = "4-D" if rank == 4 else "batch-merged 3-D"
         if rank == 3:
             form += f" (batch {heads[0]}, {heads[1]} heads)" if heads else " (one head per entry)"
+        if srank != rank:
+            form += f", softmax on its {srank}-D view,"
+        if len(terms.biases) == 1 and mask is not None:
+            biased = "mask -> "
+        elif terms.biases:
+            biased = f"{len(terms.biases)} biases ({'; '.join(words)}) -> "
+        else:
+            biased = ""
         self.log.sites.append(
             (
                 "decomposed_attention",
                 tag,
                 f"{form} matmul -> scale {scale:.6g} -> "
-                + ("mask -> " if mask is not None else "")
+                + biased
                 + ("softmax (NaN-safe) -> " if safe else "softmax -> ")
-                + "matmul recovered as one attention",
+                + "matmul recovered as one attention"
+                + (f" with causal_mask={causal}" if causal != "none" else ""),
             )
         )
         self.log.counts["decomposed_attention"] += 1
         if rank == 4:
-            return relax.op.permute_dims(att, [0, 2, 1, 3])
+            out4 = relax.op.permute_dims(att, [0, 2, 1, 3])
+            return out4 if _dtype(call) == dtype else relax.op.astype(self.emit(out4), _dtype(call))
         out = _shape(call)
         assert out is not None
         if heads is not None:
             att = self.emit(relax.op.permute_dims(att, [0, 2, 1, 3]), "bnsh")
-        return relax.op.reshape(att, out)
+        res = relax.op.reshape(att, out)
+        return res if _dtype(call) == dtype else relax.op.astype(self.emit(res), _dtype(call))
 
     # ---- RMSNorm ------------------------------------------------------------------------
     def _rms_parts(self, y: Any) -> tuple[Any, float] | None:
