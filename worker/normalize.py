@@ -7,10 +7,11 @@ Each rewrite here undoes one such habit, is local, keeps the function's meaning,
 as a :class:`~worker.report.Rewrite`:
 
 - ``decomposed_attention``: ``softmax(scale * q @ kT + mask) @ v`` -> ``R.nn.attention`` (scale
-  constants found on the scores, on q or on k, cast or not; an additive mask becomes the bias),
+  constants found on the scores, on q or on k, cast or not; additive masks become the bias),
   on 4-D ``[B, N, S, H]`` matmuls or on batch-merged 3-D ones (``[B*N, S, H]``, upstream TVM's
   rewrite form: the heads are recovered from the reshapes that merged them, else each batch
-  entry is one head);
+  entry is one head), also with 3-D scores and a softmax on their 4-D view (Bloom: ALiBi
+  ``[B*N, 1, S]`` becomes a ``[B, N, 1, S]`` bias, its causal mask ``causal_mask``);
 - ``sliding_window``: ``window_size`` (with a causal mask) becomes an additive mask computed in
   the graph: TVM cannot legalize a window, and no kernel of ours reads one;
 - ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` becomes one attention
@@ -549,6 +550,26 @@ class _Local(relax.PyExprMutator):
             return None
         return out, None, s_q * s_k
 
+    def merged_scores_operands(
+        self, q3: Any, kt3: Any, v4: Any
+    ) -> tuple[list[Any], tuple[int, int], float] | None:
+        """q, k, v as ``[B, S, N, H]`` when q and k are batch-merged 3-D (their heads recovered,
+        the same (B, N)) and v is 4-D ``[B, N, S_kv, H]``: the scores are computed 3-D and the
+        probabilities meet v 4-D. Returns (q, k, v), (B, N) and the scale peeled."""
+        q, k = self.unmerge(q3, False), self.unmerge(kt3, True)
+        vs = _shape(v4)
+        if q is None or k is None or vs is None or q[1] != k[1] or tuple(vs[:2]) != q[1]:
+            return None
+        vv = self.value(v4)
+        if _op(vv) == "relax.permute_dims":  # v picked out of the interleaved view: a split
+            picked = self.select_as_split(vv.args[0])
+            if picked is not vv.args[0]:
+                v4 = self.emit(relax.op.permute_dims(picked, _axes(vv)), "bnsh")
+        vb = self.emit(relax.op.permute_dims(v4, [0, 2, 1, 3]), "bsnh")
+        if len({_dtype(q[0]), _dtype(k[0]), _dtype(vb)}) != 1:
+            return None
+        return [q[0], k[0], vb], q[1], q[2] * k[2]
+
     def merged_mask(self, mask: Any, bn: int, heads: tuple[int, int] | None) -> Any:
         """A 3-D (or lower) mask on the merged scores as the 4-D bias of the attention, or
         None when its batch dim is neither 1 nor B*N."""
@@ -768,11 +789,18 @@ class _Local(relax.PyExprMutator):
         if terms is None:
             return call
         mm = terms.matmul
-        if not (_ndim(mm.args[0]) == _ndim(mm.args[1]) == _ndim(v) == rank):
+        mm_rank = _ndim(mm.args[0])
+        if _ndim(mm.args[1]) != mm_rank or _ndim(v) != rank or mm_rank not in (3, 4):
             return call
         heads: tuple[int, int] | None = None
         merged_heads: tuple[int, int] | None
-        if rank == 4:
+        if rank == 4 and mm_rank == 3:  # 3-D scores, 4-D probabilities (Bloom's ONNX export)
+            split = self.merged_scores_operands(mm.args[0], mm.args[1], v)
+            if split is None or terms.merges != {split[1]}:
+                return call
+            (qb, kb, vb), merged_heads, s_in = split
+            bn = merged_heads[0] * merged_heads[1]
+        elif rank == 4:
             q, s_q = self.strip_scale(mm.args[0])
             kt, s_k = self.strip_scale(mm.args[1])
             qs, kts, vs = _shape(q), _shape(kt), _shape(v)
@@ -794,7 +822,7 @@ class _Local(relax.PyExprMutator):
                 vb = self.emit(relax.op.repeat(vb, qs[1], axis=2), "v")
             s_in = s_q * s_k
             bn, merged_heads = qs[0] * qs[1], (qs[0], qs[1])
-        else:
+        elif mm_rank == 3:
             merged = self.merged_operands(mm.args[0], mm.args[1], v)
             if merged is None:
                 return call
@@ -802,6 +830,8 @@ class _Local(relax.PyExprMutator):
             if terms.merges and (heads is None or terms.merges != {heads}):
                 return call
             bn, merged_heads = (_shape(mm.args[0]) or [0])[0], heads
+        else:
+            return call
         dtype = _dtype(qb)
         qbs, kbs = _shape(qb), _shape(kb)
         want = None if qbs is None or kbs is None else [qbs[0], qbs[2], qbs[1], kbs[1]]
@@ -824,6 +854,8 @@ class _Local(relax.PyExprMutator):
         form = "4-D" if rank == 4 else "batch-merged 3-D"
         if rank == 3:
             form += f" (batch {heads[0]}, {heads[1]} heads)" if heads else " (one head per entry)"
+        elif mm_rank == 3 and merged_heads is not None:
+            form += f", batch-merged 3-D scores (batch {merged_heads[0]}, {merged_heads[1]} heads),"
         if srank != rank:
             form += f", softmax on its {srank}-D view,"
         if len(terms.biases) == 1 and mask is not None:
