@@ -1487,7 +1487,8 @@ PASS_OPS = frozenset({"relax.astype", "relax.reshape"})
 
 def _unfused_chains(func: relax.Function, values: dict[Any, Any]) -> list[str]:
     """``matmul -> ... -> softmax -> matmul`` chains left as they are: attention that the
-    matcher never reached (ALiBi through ``baddbmm``, a bias computed from an input)."""
+    matcher never reached (a bias computed by a matmul of its own, an operator other than a
+    scale, a cast or an add on the scores)."""
     users: dict[Any, list[Any]] = {}
     bound = {id(v): k for k, v in values.items()}
     for value in values.values():
@@ -1526,9 +1527,9 @@ def _unfused_chains(func: relax.Function, values: dict[Any, Any]) -> list[str]:
         )
         out.append(
             f"`{name_of(var)}`: matmul -> softmax -> matmul with {ops} between the scores and "
-            "the softmax was not recognised as attention (decomposed_attention takes a "
-            "scale, one additive mask and casts between the matmul and the softmax, at one "
-            "rank)" + what + "; it runs unfused in TVM"
+            "the softmax was not recognised as attention (decomposed_attention takes "
+            "scales, additive biases, casts and views between 3-D and 4-D scores between one "
+            "matmul of q and k and the softmax)" + what + "; it runs unfused in TVM"
         )
     return out
 
