@@ -224,7 +224,8 @@ INIT_STD: dict[str, float] = {
 
 
 def build(name: str, seed: int = 0, **overrides: Any) -> Any:
-    """The model ``name`` in eval mode, returning ``last_hidden_state`` only (a tensor)."""
+    """The model ``name`` in eval mode, returning ``last_hidden_state`` only (a tensor); called
+    with the token ids, and optionally the ``attention_mask`` (``example_mask``)."""
     import torch
     import transformers
 
@@ -245,8 +246,10 @@ def build(name: str, seed: int = 0, **overrides: Any) -> Any:
             super().__init__()
             self.m = m
 
-        def forward(self, ids: Any) -> Any:
-            return self.m(ids).last_hidden_state
+        def forward(self, ids: Any, attention_mask: Any = None) -> Any:
+            if attention_mask is None:
+                return self.m(ids).last_hidden_state
+            return self.m(ids, attention_mask=attention_mask).last_hidden_state
 
     return Wrapper(inner).eval()
 
@@ -269,3 +272,17 @@ def example_ids(name: str, batch: int, seq: int, seed: int = 1) -> Any:
             raise ValueError(f"{name} takes {(side // patch) ** 2} patches, not {seq}")
         return torch.randn((batch, 3, side, side), generator=gen)
     return torch.randint(0, kwargs["vocab_size"], (batch, seq), generator=gen)
+
+
+def example_mask(batch: int, seq: int, dtype: str = "int64") -> Any:
+    """A key-padding ``attention_mask`` ``[batch, seq]`` (1 or True: a token, 0 or False:
+    padding): entry i of the batch padded on the right by ``i * seq // 4`` tokens (the first
+    entry not at all), so every row keeps a token and each query sees one."""
+    import torch
+
+    mask = torch.ones((batch, seq), dtype=torch.bool)
+    for i in range(batch):
+        pad = (i * seq // 4) % seq
+        if pad:
+            mask[i, seq - pad :] = False
+    return mask.to(getattr(torch, dtype))

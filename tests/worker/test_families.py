@@ -3,7 +3,8 @@ downloads): imported as the GPU build imports it (float16, normalized and partit
 sm_90, no kernels compiled), every attention site's outcome and, for each site not fused
 stacked, the words of its reason; then the normalized float32 module on the CPU (LLVM) against
 PyTorch eager. Each family also goes through the ONNX route (dynamo export, float32): all of
-them export and import today.
+them export and import today. The ``*_padded`` cases pass a key-padding ``attention_mask``
+input with some padded keys (0/1 integers or booleans, as tokenizers give it).
 
 The table in docs/models.md is this file's expectations, with the H200 numerics of
 benchmarks/models_gpu.py beside them.
@@ -22,7 +23,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from service.spec import CompileOptions
-from tests.hf_models import build, example_ids
+from tests.hf_models import build, example_ids, example_mask
 from worker.importers import import_any
 from worker.normalize import normalize
 from worker.partition import PartitionResult, partition
@@ -58,6 +59,12 @@ class Family:
     words_f32: list[str] | None = None
     #: the kernel family every fused site gets on sm_90 (worker.selection)
     kernel: str = "hopper"
+    #: the dtype of an ``attention_mask`` input (example_mask) passed beside the ids
+    mask: str | None = None
+    #: every fused site reads a bias tensor (a padding mask, ALiBi)
+    bias: bool = False
+    #: words that some normalization's message must contain
+    messages: list[str] = field(default_factory=list)
 
 
 STACKED = ["stacked"] * LAYERS
@@ -116,28 +123,68 @@ FAMILIES = {
         {"grouped_kv"},
         words_f32=["k and v repeated", "`broadcast_to`", "float16"],
     ),
-    # ALiBi: scores + a per-head position bias + the causal mask, never an attention site
+    # ALiBi: 3-D scores + a [B*N, 1, S] per-head position bias, + the causal mask on their 4-D
+    # view: one attention with a [B, N, 1, S] bias and causal_mask, q, k, v picked (`take`) out
+    # of the per-head interleaved [B, S, N, 3, H] view: stacked; the bias keeps the SM80 kernel
     "bloom": Family(
         "bloom",
         16,
-        [],
-        ["not recognised as attention", "position bias", "ALiBi", "causal mask", "unfused"],
-        not_attention=LAYERS,
+        STACKED,
+        rewrites={"decomposed_attention"},
+        bias=True,
+        kernel="sm80",
+        messages=["softmax on its 4-D view", "[2, 4, 1, 16] bias", "ALiBi", "causal_mask=TopLeft"],
+    ),
+    # key-padding masks as inputs: the [B, 1, S, S] additive mask built from them (with the
+    # causal mask in GPT-2's) is the attention's bias, read by the SM80 kernel
+    "bert_padded": Family(
+        "bert",
+        16,
+        STACKED,
+        rewrites={"combine_qkv"},
+        causal="none",
+        kernel="sm80",
+        mask="int64",
+        bias=True,
+    ),
+    "gpt2_padded": Family(
+        "gpt2",
+        16,
+        STACKED,
+        rewrites={"transpose_pairs"},
+        causal="none",
+        kernel="sm80",
+        mask="bool",
+        bias=True,
+    ),
+    # ALiBi and padding: the position bias is then computed from the mask (cumsum), not folded
+    "bloom_padded": Family(
+        "bloom",
+        16,
+        STACKED,
+        rewrites={"decomposed_attention"},
+        causal="none",
+        kernel="sm80",
+        mask="int64",
+        bias=True,
+        messages=["ALiBi"],
     ),
 }
 
 
 def _imported(fam: Family, dtype: str | None, route: str = "torch", tmp: Path | None = None) -> Any:
+    """(model, its inputs, the import)."""
     model = build(fam.model)
     x = example_ids(fam.model, 2, fam.seq)
+    inputs = (x,) if fam.mask is None else (x, example_mask(2, fam.seq, fam.mask))
     if route == "onnx":
         import torch
 
         assert tmp is not None
         path = tmp / "model.onnx"
-        torch.onnx.export(model, (x,), str(path), dynamo=True, input_names=["ids"])
-        return model, x, import_any(path)
-    return model, x, import_any(model, example_inputs=(x,), dtype=dtype)
+        torch.onnx.export(model, inputs, str(path), dynamo=True, input_names=["ids"])
+        return model, inputs, import_any(path)
+    return model, inputs, import_any(model, example_inputs=inputs, dtype=dtype)
 
 
 def _check_outcomes(fam: Family, res: PartitionResult, float16: bool = True) -> None:
@@ -165,6 +212,8 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
     _, _, imported = _imported(fam, "float16")
     mod, rewrites = normalize(imported.mod, OPTS, ARCH)
     assert fam.rewrites <= {r.rewrite for r in rewrites}
+    for w in fam.messages:
+        assert any(w in r.message for r in rewrites), (w, [r.message for r in rewrites])
     res = partition(mod, OPTS, ARCH)
     _check_outcomes(fam, res)
     if case == "mistral_window":
@@ -173,7 +222,16 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
         assert not any("taken as the attention's causal flag" in n for n in imported.notes)
     elif fam.outcomes:
         assert {m.causal for m in res.match_entries()} == {fam.causal}
-        assert not any(m.bias for m in res.match_entries())
+        assert [m.bias for m in res.match_entries()] == [fam.bias] * len(fam.outcomes)
+    if fam.model == "bloom":  # the per-head interleaved [B, S, N, 3, H] view, read in place
+        assert {f.pattern.name for f in res.fused} == {
+            "cutlass.stacked_attention.interleaved_5d_bias"
+        }
+    if fam.bias:  # one bias row per batch entry (padding) or per head (ALiBi), one per key
+        for m in res.match_entries():
+            b, n, sq, skv = m.shapes["bias"]
+            assert skv == fam.seq and (b, n) in ((2, 1), (2, 4)), m.shapes["bias"]
+            assert sq in (1, fam.seq)
     # each fused site has a kernel on sm_90 (rendered, not compiled)
     for ff in res.functions:
         assert ff.analysis.spec is not None
@@ -181,15 +239,15 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
         assert why.startswith("Hopper FMHA" if fam.kernel == "hopper" else "SM80-class"), why
 
 
-def _run_cpu(model: Any, x: Any, imported: Any, mod: Any) -> None:
+def _run_cpu(model: Any, inputs: Any, imported: Any, mod: Any) -> None:
     import torch
     from tvm import relax
 
     with torch.no_grad():
-        want = model(x).numpy()
+        want = model(*inputs).numpy()
     exe = tvm.compile(mod, target="llvm")
     vm = relax.VirtualMachine(exe, tvm.cpu())
-    args = [x.numpy(), *imported.params.values()]
+    args = [*(x.numpy() for x in inputs), *imported.params.values()]
     got = vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args]).numpy()
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
 
@@ -197,22 +255,22 @@ def _run_cpu(model: Any, x: Any, imported: Any, mod: Any) -> None:
 @pytest.mark.parametrize("case", list(FAMILIES))
 def test_normalized_module_matches_pytorch_on_cpu(case: str) -> None:
     fam = FAMILIES[case]
-    model, x, imported = _imported(fam, None)
+    model, inputs, imported = _imported(fam, None)
     mod, _ = normalize(imported.mod, OPTS, ARCH)
     # float32: no GQA rewrite (that is float16-only), the same sites otherwise
     _check_outcomes(fam, partition(mod, OPTS, ARCH), float16=False)
-    _run_cpu(model, x, imported, mod)
+    _run_cpu(model, inputs, imported, mod)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in FAMILIES if c != "gpt2"])
+@pytest.mark.parametrize("case", [c for c in FAMILIES if c != "gpt2" and not FAMILIES[c].mask])
 def test_onnx_route(case: str, tmp_path: Path) -> None:
     """The dynamo ONNX export of each family (GPT-2's is in test_real_models): decomposed
     attention recovered, the same sites, outcomes and reasons as the float32 torch.export."""
     fam = FAMILIES[case]
-    model, x, imported = _imported(fam, None, "onnx", tmp_path)
+    model, inputs, imported = _imported(fam, None, "onnx", tmp_path)
     mod, rewrites = normalize(imported.mod, OPTS, ARCH)
     if fam.outcomes:
         assert "decomposed_attention" in {r.rewrite for r in rewrites}
     _check_outcomes(fam, partition(mod, OPTS, ARCH), float16=False)
-    _run_cpu(model, x, imported, mod)
+    _run_cpu(model, inputs, imported, mod)

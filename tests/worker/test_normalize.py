@@ -216,6 +216,52 @@ def test_decomposed_attention_with_constant_causal_mask_ends_causal() -> None:
     _same_meaning(mod, out, args)
 
 
+def bloom_module(alpha: float, beta: float) -> Any:
+    """Bloom's attention as ``torch.export`` writes it: q, k, v picked (``take``) out of the
+    per-head interleaved ``[B, S, N, 3, H]`` view, batch-merged 3-D scores ``baddbmm(alibi, q,
+    kT, beta, alpha)`` with ALiBi ``[B*N, 1, S]``, viewed 4-D for the causal mask, softmax,
+    viewed 3-D again, times v."""
+    slopes = np.tile(2.0 ** -np.arange(1, N + 1), B)
+    alibi = (slopes[:, None, None] * np.arange(S)[None, None, :]).astype("float32")
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        qkv = R.arg("qkv", R.Tensor((B, S, 3 * C), "float32"))
+        with R.dataflow() as frame:
+            x5 = R.emit(R.reshape(qkv, [B, S, N, 3, H]))
+            q3, k3, v3 = (
+                R.emit(
+                    R.reshape(
+                        R.permute_dims(R.take(x5, R.const(i, "int64"), axis=3), [0, 2, 1, 3]),
+                        [B * N, S, H],
+                    )
+                )
+                for i in range(3)
+            )
+            kt = R.emit(R.permute_dims(k3, [0, 2, 1]))
+            scores = R.emit(R.multiply(R.matmul(q3, kt), R.const(np.float32(alpha))))
+            ali = R.emit(R.multiply(R.const(alibi), R.const(np.float32(beta))))
+            s4 = R.emit(R.reshape(R.add(ali, scores), [B, N, S, S]))
+            p = R.emit(R.nn.softmax(R.add(s4, R.const(_causal())), axis=-1))
+            o = R.emit(R.matmul(R.reshape(p, [B * N, S, S]), v3))
+            o4 = R.emit(R.permute_dims(R.reshape(o, [B, N, S, H]), [0, 2, 1, 3]))
+            res = R.emit(R.reshape(o4, [B, S, C]))
+            R.output(res)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def test_alibi_becomes_one_attention_with_a_per_head_bias_and_the_causal_flag() -> None:
+    mod = bloom_module(alpha=0.25, beta=0.5)
+    out, rewrites = normalize(mod, OPTS)
+    assert "relax.nn.softmax" not in _ops(out) and "relax.take" not in _ops(out)
+    (rw,) = [r for r in rewrites if r.rewrite == "decomposed_attention"]
+    assert "ALiBi" in rw.message and "causal_mask=TopLeft" in rw.message
+    (m,) = partition(out, OPTS).match_entries()
+    assert m.pattern == "cutlass.stacked_attention.interleaved_5d_bias"
+    assert (m.causal, m.scale, m.shapes["bias"]) == ("TopLeft", 0.25, [B, N, 1, S])
+    _same_meaning(mod, out, [_rnd(B, S, 3 * C)])
+
+
 # --- separate q/k/v projections (BERT) ----------------------------------------------------------
 def bert_like_module(bias: bool = True) -> Any:
     with IRBuilder() as builder, rb.function():
