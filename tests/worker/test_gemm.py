@@ -573,6 +573,43 @@ def test_combined_gate_up_computes_the_same_swiglu_lifted(casts: bool, transpose
     np.testing.assert_allclose(got[0], g / (1 + np.exp(-g)) * u, atol=1e-2, rtol=2e-2)
 
 
+def test_paired_gemm_with_symbolic_rows() -> None:
+    """Serving: the sequence is symbolic; the pairing reshapes keep it, the spec reads M at
+    run time, and TVM computes the rewritten module exactly as the original."""
+    k, n = 32, 48
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        s = tvm.tirx.Var("s", "int64")
+        x = R.arg("x", R.Tensor((1, s, k), "float16"))
+        wg = R.arg("wg", R.Tensor((n, k), "float16"))
+        wu = R.arg("wu", R.Tensor((n, k), "float16"))
+        with R.dataflow() as frame:
+            g = R.emit(R.matmul(x, R.permute_dims(wg, [1, 0])))
+            u = R.emit(R.matmul(x, R.permute_dims(wu, [1, 0])))
+            out = R.emit(R.multiply(R.nn.silu(g), u))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    new, rewrites = normalize.normalize(mod, OPTS, "sm_90")
+    assert "combine_gate_up" in {r.rewrite for r in rewrites}
+    (ff,) = _gemms(new).functions
+    assert ff.spec.paired_glu and ff.spec.m == "?" and ff.spec.out_shape == (1, "?", 48)
+    assert "/*out_shape=*/{1, -1, 48," in gemm_sm90.select_kernel(ff.spec, "sm_90")[0].source
+    rng = np.random.default_rng(4)
+    args = [
+        (rng.standard_normal(shape) * scale).astype("float16")
+        for shape, scale in (((1, 40, k), 0.5), ((n, k), 0.2), ((n, k), 0.2))
+    ]
+    dev = tvm.cpu()
+    outs = [
+        relax.VirtualMachine(tvm.compile(m, target="llvm"), dev)["main"](
+            *[tvm.runtime.tensor(a, dev) for a in args]
+        ).numpy()
+        for m in (mod, new)
+    ]
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_partitioned_paired_gemm_reads_the_lifted_interleave_in_place() -> None:
     new, _ = normalize.normalize(swiglu_module(num_input=1), OPTS, "sm_90")
     part = _gemms(new)
