@@ -778,6 +778,43 @@ def test_the_paired_swiglu_configuration_and_its_glue_compile() -> None:
 
 @pytest.mark.nvcc
 @pytest.mark.slow
+def test_the_paired_epilogue_pairs_every_gate_with_its_up_column(tmp_path: Any) -> None:
+    """The epilogue's loop on the host (gemm_glu_layout_check.cu), over every thread of six
+    tiled MMAs: each store's gate, gate + 1, up, up + 1 are columns n, n + 1, n + 8, n + 9 of
+    one row, and the stores cover the tile's [TileM, TileN / 2] output exactly once."""
+    import subprocess
+    from pathlib import Path
+
+    from worker.toolchain import find_toolchain
+
+    chain = find_toolchain()
+    here = Path(__file__).resolve().parent
+    exe = tmp_path / "layout_check"
+    includes = [gemm_sm90.GLU_KERNELS_DIR, *gemm_sm90.include_dirs()]
+    subprocess.run(
+        [
+            str(chain.cuda_home / "bin" / "nvcc"),
+            "-O1",
+            "-std=c++17",
+            "--expt-relaxed-constexpr",
+            "-DNDEBUG",
+            "-w",
+            gemm_sm90.GENCODE,
+            *(f"-I{p}" for p in includes),
+            "-o",
+            str(exe),
+            str(here / "gemm_glu_layout_check.cu"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ALL OK"), out.stdout
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
 def test_one_ampere_gemm_configuration_and_its_glue_compile() -> None:
     from worker.nvcc import compile_object
 

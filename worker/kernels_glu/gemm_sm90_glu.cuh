@@ -120,6 +120,9 @@ class SwiGluPairedEpilogue {
 
   CUTLASS_DEVICE bool is_source_needed() { return false; }
 
+  // D's column of the pair whose gate is GEMM column n (n % 16 < 8; its up is n + 8)
+  CUTLASS_HOST_DEVICE static int output_column(int n) { return (n >> 4) * 8 + (n & 7); }
+
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
@@ -191,8 +194,8 @@ class SwiGluPairedEpilogue {
             Out out;
             out[0] = cvt(silu(accumulators(gate0)) * accumulators(up0));
             out[1] = cvt(silu(accumulators(gate1)) * accumulators(up1));
-            // output column (n / 16) * 8 + n % 8, even: both columns are in range together
-            int const o = (n >> 4) * 8 + (n & 7);
+            // even (n is): both columns of the pair are in range together
+            int const o = output_column(n);
             bool const pred = m < rows && n < cols;
             cutlass::arch::global_store<Out, sizeof(Out)>(
                 out, d + static_cast<int64_t>(m) * params.ld_d + o, pred);
