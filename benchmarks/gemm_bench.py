@@ -16,6 +16,16 @@ figure is the median over rounds. Ratios are ours / cuBLAS's time inverted (> 1:
 Epilogue peers get their best path: bias through cuBLASLt's bias epilogue (``F.linear`` /
 ``addmm``), GELU through ``torch._addmm_activation`` (cuBLASLt's GELU epilogue) where it
 applies, residual as ``addmm`` + ``add``.
+
+The paired SwiGLU (``swiglu``: gate and up projections as one GEMM of N = 2I on weights
+interleaved in blocks of 8 rows, ``silu(gate) * up`` written as ``[M, I]``) has rows of its own
+(``--shapes glu``), against cuBLAS's two ways to the same result: one GEMM on the concatenated
+``[2I, K]`` weight then ``F.silu(g) * u`` on its halves, and two GEMMs
+``F.silu(x @ Wg.T) * (x @ Wu.T)``; the faster is the row's cuBLAS time:
+
+    python -m benchmarks.gemm_bench build .gpu/glu --acts swiglu --source-c no \
+        --tiles pingpong_128x128_c1x2 coop_128x256 pingpong_128x192 --shapes glu
+    python -m benchmarks.gemm_bench run .gpu/glu OUT_DIR --shapes glu --epilogues swiglu
 """
 
 from __future__ import annotations
@@ -52,7 +62,9 @@ GRID_SHAPES: list[tuple[str, int, int, int]] = [
     for m in (512, 16384)
     for n, k in ((1024, 4096), (4096, 1024), (8192, 8192))
 ]
-SHAPES = {"all": MODEL_SHAPES + GRID_SHAPES, "models": MODEL_SHAPES}
+#: (name, M, N = 2I, K) of the paired SwiGLU rows: Llama-style gate + up (I 5632, K 2048)
+GLU_SHAPES: list[tuple[str, int, int, int]] = [("llama_gate_up", 2048, 2 * 5632, 2048)]
+SHAPES = {"all": MODEL_SHAPES + GRID_SHAPES, "models": MODEL_SHAPES, "glu": GLU_SHAPES}
 #: epilogue -> (activation, bias, residual)
 EPILOGUES: dict[str, tuple[str, bool, bool]] = {
     "none": ("none", False, False),
@@ -64,6 +76,8 @@ EPILOGUES: dict[str, tuple[str, bool, bool]] = {
     "silu": ("silu", False, False),
     # SwiGLU's up projection: silu(C) * (A @ B), C the gate projection's output
     "silu_gate": ("silu_gate", False, True),
+    # gate and up projections as one GEMM, silu(gate) * up paired in registers ([M, N/2])
+    "swiglu": ("swiglu", False, False),
 }
 #: ``--epilogues as-used``: each model GEMM with the weight layout and epilogue its library
 #: runs (GPT-2's Conv1D weights and BERT's concatenated QKV are [K, N]; nn.Linear's [N, K])
@@ -328,9 +342,12 @@ def _selected_tile(
 ) -> str:
     """The tile worker.gemm_selection picks for this shape and epilogue activation (what a
     library built now runs)."""
-    from worker.gemm import weight_spec
+    from worker.gemm import SWIGLU, weight_spec
     from worker.gemm_selection import pick
 
+    if activation == SWIGLU:
+        paired = weight_spec(dtype=dtype, m=m, n=n, k=k, b_kmajor=kmajor, paired_glu=True)  # type: ignore[arg-type]
+        return pick(paired)[0]
     spec = weight_spec(
         dtype=dtype,  # type: ignore[arg-type]
         m=m,
@@ -379,6 +396,13 @@ def run(
                 continue
             for epi in [AS_USED[name][1]] if as_used else epilogues:
                 act, use_bias, use_res = EPILOGUES[epi]
+                if (act == "swiglu") != (shapes == "glu"):  # paired rows: --shapes glu alone
+                    continue
+                if act == "swiglu":
+                    rows += _swiglu_rows(
+                        (name, m, n, k), dtype_name, a, configs, lib, stream, rounds, selected
+                    )
+                    continue
                 ref = ref_mm + (bias.float() if use_bias else 0)
                 if act == "gelu_tanh":
                     ref = F.gelu(ref, approximate="tanh")
@@ -489,6 +513,118 @@ def run(
     (out_dir / "gemm_bench.md").write_text(to_markdown(doc))
 
 
+def _swiglu_rows(
+    shape: tuple[str, int, int, int],
+    dtype_name: str,
+    a: Any,
+    configs: list[dict[str, Any]],
+    lib: Any,
+    stream: int,
+    rounds: int,
+    selected: bool,
+) -> list[dict[str, Any]]:
+    """The paired SwiGLU's rows (N = 2I): ours on the interleaved weight against cuBLAS's one
+    GEMM on the concatenated weight + ``silu(g) * u``, and its two GEMMs; error against the
+    float32 reference ``silu(x Wg^T) * (x Wu^T)``."""
+    import torch
+    import torch.nn.functional as F
+
+    name, m, n, k = shape
+    i = n // 2
+    dt = a.dtype
+    wg = (torch.randn(i, k, device="cuda") / k**0.5).to(dt)
+    wu = (torch.randn(i, k, device="cuda") / k**0.5).to(dt)
+    # Wgu row 16j + r: Wg[8j + r] (r < 8), Wu[8j + r - 8] (8 <= r < 16)
+    wgu_nk = torch.cat([wg.view(i // 8, 8, k), wu.view(i // 8, 8, k)], 1).reshape(n, k)
+    wcat_nk = torch.cat([wg, wu], 0)
+    d = torch.empty(m, i, device="cuda", dtype=dt)
+    ref = F.silu(a.float() @ wg.float().t()) * (a.float() @ wu.float().t())
+    rows = []
+    for kmajor in (True, False):
+        layout = "k_major" if kmajor else "n_major"
+        wgu = wgu_nk if kmajor else wgu_nk.t().contiguous()
+        wcat_t = wcat_nk.t() if kmajor else wcat_nk.t().contiguous()  # [K, 2I]
+        wg_t = wg.t() if kmajor else wg.t().contiguous()
+        wu_t = wu.t() if kmajor else wu.t().contiguous()
+
+        def concat(wcat_t: Any = wcat_t) -> Any:
+            y = torch.matmul(a, wcat_t)
+            return F.silu(y[:, :i]) * y[:, i:]
+
+        def two_gemms(wg_t: Any = wg_t, wu_t: Any = wu_t) -> Any:
+            return F.silu(torch.matmul(a, wg_t)) * torch.matmul(a, wu_t)
+
+        t_concat = _steady(concat, torch, rounds)
+        t_two = _steady(two_gemms, torch, rounds)
+        t_peer = min(t_concat, t_two)
+        row: dict[str, Any] = {
+            "shape": name,
+            "m": m,
+            "n": n,
+            "k": k,
+            "dtype": dtype_name,
+            "b_layout": layout,
+            "epilogue": "swiglu",
+            "cublas_s": t_peer,
+            "cublas_path": "concat + silu * up" if t_concat <= t_two else "two GEMMs",
+            "cublas_concat_s": t_concat,
+            "cublas_two_gemms_s": t_two,
+            "cublas_max_abs_error": float((concat().float() - ref).abs().max()),
+            "cublas_two_gemms_max_abs_error": float((two_gemms().float() - ref).abs().max()),
+            "ours": {},
+        }
+        chosen = _selected_tile(dtype_name, m, n, k, kmajor, "swiglu")
+        row["selected_tile"] = chosen
+        for c in configs:
+            if (
+                c["dtype"] != dtype_name
+                or c["b_kmajor"] != kmajor
+                or c["activation"] != "swiglu"
+                or (selected and c["tile"] != chosen)
+            ):
+                continue
+            fn = getattr(lib, f"bench_{c['symbol']}")
+            args = (
+                ctypes.c_void_p(a.data_ptr()),
+                ctypes.c_void_p(wgu.data_ptr()),
+                ctypes.c_void_p(0),
+                ctypes.c_void_p(0),
+                ctypes.c_void_p(d.data_ptr()),
+                m,
+                n,
+                k,
+                ctypes.c_float(0.0),
+                c["swizzle"],
+                ctypes.c_void_p(stream),
+            )
+            d.fill_(float("nan"))
+            status = fn(*args)
+            torch.cuda.synchronize()
+            if status != 0:
+                row["ours"][c["tile"]] = {"status": status}
+                continue
+            err = float((d.float() - ref).abs().max())  # NaN: an element was never written
+            t = _steady(lambda fn=fn, args=args: fn(*args), torch, rounds)
+            row["ours"][c["tile"]] = {
+                "s": t,
+                "max_abs_error": err,
+                "vs_cublas": t_peer / t,
+                "tflops": 2 * m * n * k / t / 1e12,
+            }
+        timed = {t: v for t, v in row["ours"].items() if "s" in v}
+        if timed:
+            best = min(timed, key=lambda t: timed[t]["s"])
+            row["best_tile"] = best
+            row["best_vs_cublas"] = timed[best]["vs_cublas"]
+        if chosen in timed:
+            row["selected_vs_cublas"] = timed[chosen]["vs_cublas"]
+        row["cublas_tflops"] = 2 * m * n * k / t_peer / 1e12
+        rows.append(row)
+        keys = ("shape", "b_layout", "cublas_path", "best_tile", "best_vs_cublas")
+        print(json.dumps({k2: row[k2] for k2 in keys if k2 in row}), flush=True)
+    return rows
+
+
 def to_markdown(doc: dict[str, Any]) -> str:
     tiles = sorted({t for r in doc["rows"] for t in r["ours"]})
     head = [
@@ -548,6 +684,15 @@ def to_markdown(doc: dict[str, Any]) -> str:
             else "-"
         )
         lines.append("| " + " | ".join(cells) + " |")
+    for r in doc["rows"]:
+        if "cublas_path" in r:
+            lines.append(
+                f"\n{r['shape']} ({r['b_layout']}, swiglu: N = 2I = {r['n']}, output "
+                f"[{r['m']}, {r['n'] // 2}]): cuBLAS one GEMM on the concatenated weight + "
+                f"silu(g) * u {r['cublas_concat_s'] * 1e6:.1f} us, two GEMMs "
+                f"{r['cublas_two_gemms_s'] * 1e6:.1f} us (max abs error "
+                f"{r['cublas_two_gemms_max_abs_error']:.1e}); the faster is the row's cuBLAS."
+            )
     ratios = [r["best_vs_cublas"] for r in doc["rows"] if "best_vs_cublas" in r]
     if ratios:
         gm = statistics.geometric_mean(ratios)

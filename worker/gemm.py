@@ -5,7 +5,10 @@ a kernel from it; the report shows it. Numbers and enum tokens only: nothing the
 reaches generated source through it. No TVM import.
 
 The computation is ``out = act(A @ B + bias)``, ``out = A @ B + bias + residual`` or, for a gated
-unit (SwiGLU), ``out = silu(gate) * (A @ B)``, with A
+unit (SwiGLU), ``out = silu(gate) * (A @ B)``, or, for a paired SwiGLU (``paired_glu``: the gate
+and up projections as one GEMM on weights interleaved in blocks of 8 columns),
+``out[:, 8j + i] = silu(Y[:, 16j + i]) * Y[:, 16j + 8 + i]`` with ``Y = A @ B`` of N = 2I columns
+and ``out`` of I, with A
 ``[..., M, K]`` (leading dims folded into M when B is a 2-D weight), B ``[K, N]`` as stored or
 ``[N, K]`` read transposed (a ``permute_dims`` folded into the layout, never copied), bias
 ``[N]``, and the residual or gate shaped like the output. Accumulation is float32; float32
@@ -40,6 +43,9 @@ def align_elems(dtype: str) -> int:
 
 
 DYNAMIC = "?"
+#: the epilogue of a paired SwiGLU (``GemmSpec.paired_glu``): silu(gate) * up, gate and up
+#: projections as one GEMM, columns paired in registers
+SWIGLU = "swiglu"
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,10 @@ class GemmSpec:
     a residual and a gate never both);
     ``operand_shapes`` has one entry per argument before the output: a tensor's shape, or None
     for a non-tensor argument TVM passes along (a symbolic reshape target).
+
+    ``paired_glu``: SwiGLU's gate and up projections as one GEMM (``n`` = 2I, the weight's
+    width) whose epilogue pairs gate column ``16j + i`` with up column ``16j + 8 + i`` in
+    registers and writes ``silu(gate) * up``: ``out_shape`` ends in I = ``n // 2``.
     """
 
     dtype: GemmDType
@@ -69,6 +79,7 @@ class GemmSpec:
     num_operands: int = 2
     operand_shapes: tuple[tuple[int | str, ...] | None, ...] = field(default_factory=tuple)
     out_shape: tuple[int | str, ...] = ()
+    paired_glu: bool = False
 
     @property
     def has_bias(self) -> bool:
@@ -98,7 +109,14 @@ class GemmSpec:
             out.append("residual")
         if self.has_gate:
             out.append("silu_gate")
+        if self.paired_glu:
+            out.append(SWIGLU)
         return out
+
+    @property
+    def out_n(self) -> int:
+        """The output's last dim: N, or I = N / 2 for a paired SwiGLU."""
+        return self.n // 2 if self.paired_glu else self.n
 
     def flops(self, m: int | None = None) -> int:
         rows = m if m is not None else (self.m if isinstance(self.m, int) else 0)
@@ -106,7 +124,10 @@ class GemmSpec:
         return 2 * batch * rows * self.n * self.k
 
     def fingerprint(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        doc = asdict(self)
+        if not self.paired_glu:  # the fingerprint of every other site, as before the field
+            del doc["paired_glu"]
+        blob = json.dumps(doc, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -121,9 +142,11 @@ def weight_spec(
     bias: bool = False,
     residual: bool = False,
     gate: bool = False,
+    paired_glu: bool = False,
 ) -> GemmSpec:
     """A ``[M, K] x weight`` spec with operands in order (a, b, bias?, residual? | gate?): for
-    benchmarks and tests that drive a kernel without a module."""
+    benchmarks and tests that drive a kernel without a module. ``paired_glu``: ``n`` is 2I
+    (the interleaved weight's width), the output ``[M, I]``."""
     shapes: list[tuple[int | str, ...]] = [(m, k), (n, k) if b_kmajor else (k, n)]
     idx_bias = idx_res = idx_gate = -1
     if bias:
@@ -149,5 +172,6 @@ def weight_spec(
         gate=idx_gate,
         num_operands=len(shapes),
         operand_shapes=tuple(shapes),
-        out_shape=(m, n),
+        out_shape=(m, n // 2 if paired_glu else n),
+        paired_glu=paired_glu,
     )

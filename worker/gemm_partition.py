@@ -9,6 +9,11 @@ rows back to ``[batch, seq, N]``, an activation (ReLU, GELU in its erf and tanh 
 SiLU possibly between casts to float32 and back, as transformers' Llama writes it). Longer
 chains are tried first so the epilogue fuses as much as it can.
 
+A paired SwiGLU (normalize's ``combine_gate_up``: gate and up projections as one matmul on
+weights interleaved in blocks of 8 columns) is its own pattern: the matmul, a reshape to
+``[..., I/8, 2, 8]``, the two halves of each 16-column group as strided slices, ``silu(gate) *
+up`` and a reshape back to ``[..., I]``: one site whose epilogue pairs the columns in registers.
+
 Each check names what it expected and what it found; a site no pattern takes stays in TVM with
 those reasons in the report.
 """
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.spec import CompileOptions
-from worker.gemm import ACTIVATION_OPS, DYNAMIC, GemmSpec, align_elems
+from worker.gemm import ACTIVATION_OPS, DYNAMIC, SWIGLU, GemmSpec, align_elems
 from worker.partition import (
     CODEGEN,
     Failure,
@@ -83,6 +88,8 @@ class GemmPatternDef:
     gate: bool = False
     gate_reshape: bool = False
     gate_cast: bool = False
+    #: the paired SwiGLU (``swiglu``): one GEMM of gate and up projections, columns paired
+    paired: bool = False
 
 
 def _gate_chain(ann: dict[str, DFPattern], reshape: bool, cast: bool) -> DFPattern:
@@ -158,12 +165,44 @@ def _make(
     )
 
 
+def _make_paired(transposed: bool, cast: bool, gate_cast: bool) -> GemmPatternDef:
+    """``reshape(silu(slice(y4, 0:1)) * slice(y4, 1:2), [..., I])``, ``y4`` the GEMM's output
+    reshaped to ``[..., I/8, 2, 8]``: the form normalize's ``combine_gate_up`` writes."""
+    ann: dict[str, DFPattern] = {"a": wildcard(), "weight": wildcard()}
+    b = ann["weight"]
+    if transposed:
+        b = ann["permute"] = is_op("relax.permute_dims")(b)
+    x = ann["matmul"] = is_op("relax.matmul")(ann["a"], b)
+    if cast:
+        x = ann["cast"] = is_op("relax.astype")(x)
+    y4 = ann["pair_reshape"] = is_op("relax.reshape")(x, wildcard())
+    g = ann["pair_gate"] = is_op("relax.strided_slice")(y4, varg_default_wildcard=True)
+    u = ann["pair_up"] = is_op("relax.strided_slice")(y4, varg_default_wildcard=True)
+    if gate_cast:
+        g = ann["gate_up"] = is_op("relax.astype")(g)
+    g = ann["gate_silu"] = is_op("relax.nn.silu")(g)
+    if gate_cast:
+        g = ann["gate_down"] = is_op("relax.astype")(g)
+    prod = ann["gate_mul"] = is_op("relax.multiply")(g, u)
+    root = ann["root"] = is_op("relax.reshape")(prod, wildcard())
+    parts = ["t" if transposed else "n", *(["cast"] if cast else []), SWIGLU]
+    name = f"{PATTERN_PREFIX}.{'_'.join(parts)}" + (".gate_cast" if gate_cast else "")
+    return GemmPatternDef(
+        name, transposed, cast, False, False, "none", False, root, ann, paired=True
+    )
+
+
 def _pattern_defs() -> list[GemmPatternDef]:
     # epilogue tails, longest first: a residual or an activation (never both: no model
     # puts an activation between a projection and its residual add)
     tails = [("none", True)] + [(a, False) for a in ACTIVATION_OPS] + [("none", False)]
     defs = []
-    # gated units first: their tail is the longest, and the up projection alone would
+    # the paired SwiGLU first: its chain is the longest, and nothing else matches its tail
+    for gate_cast in (True, False):
+        for cast in (True, False):
+            for transposed in (True, False):
+                defs.append(_make_paired(transposed, cast, gate_cast))
+    # gated units next: their tail is the longest, and the up projection alone would
     # otherwise match a shorter pattern and leave the SiLU and product to TVM
     for gate_cast in (True, False):
         for gate_reshape in (True, False):
@@ -348,7 +387,18 @@ def analyze(
         rows = _numel(sa[:-1])
         m = rows if rows is not None else DYNAMIC
     so = _static(out_shape)
-    if so[-1] != n_dim:
+    if pdef.paired:
+        if dtype == "float32" or n_dim % 16:
+            an.fail(
+                "paired_glu",
+                "float16 or bfloat16, N = 2I a multiple of 16",
+                f"{dtype}, N = {n_dim}",
+                "a paired SwiGLU pairs 8-column blocks of gate and up in 16-byte rows of "
+                "float16 or bfloat16",
+            )
+            return an
+        _check_paired(an, ann, dtype, sa, n_dim, so)
+    elif so[-1] != n_dim:
         an.fail("out_shape", f"[..., {n_dim}]", so, "the result's last dim is not N")
     if pdef.cast and dtype_of(mm) not in ("float32", dtype):
         an.fail(
@@ -441,8 +491,99 @@ def analyze(
         num_operands=len(params) if params is not None else 0,
         operand_shapes=operand_shapes,
         out_shape=tuple(so),
+        paired_glu=pdef.paired,
     )
     return an
+
+
+def _tuple_ints(t: Any) -> list[int] | None:
+    """The integers of a relax.Tuple of PrimValues (strided_slice's axes, begin, end)."""
+    try:
+        return [int(getattr(f, "value", f)) for f in t.fields]
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _check_paired(
+    an: GemmAnalysis,
+    ann: dict[str, Any],
+    dtype: str,
+    a_shape: list[int | str],
+    n: int,
+    out: list[int | str],
+) -> None:
+    """Checks of a paired SwiGLU's chain: the GEMM's [..., N] output regrouped as
+    [..., N/16, 2, 8], gate = [..., 0:1, :] and up = [..., 1:2, :] of it, silu(gate) * up (the
+    SiLU in the GEMM's dtype or between casts to float32 and back), regrouped to [..., N/2]."""
+    y = ann.get("cast", ann["matmul"])
+    ys = _static(shape_of(y) or [])
+    y4 = _static(shape_of(ann["pair_reshape"]) or [])
+    if not ys or y4 != [*ys[:-1], n // 16, 2, 8]:
+        an.fail(
+            "paired_reshape",
+            f"{[*ys[:-1], n // 16, 2, 8]}",
+            y4,
+            "the GEMM's columns are not regrouped as (I/8, gate or up, 8)",
+        )
+        return
+    axis = len(y4) - 2
+    for key, begin in (("pair_gate", 0), ("pair_up", 1)):
+        args = [_tuple_ints(t) for t in ann[key].args[1:]]
+        axes = [a + len(y4) if a < 0 else a for a in args[0] or []] if args else []
+        rng = args[1:3]
+        strides = args[3] if len(args) > 3 else [1]
+        if axes != [axis] or rng != [[begin], [begin + 1]] or strides != [1]:
+            an.fail(
+                "paired_slices",
+                f"axis {axis}, {begin}:{begin + 1}",
+                f"axes {axes}, {rng}, strides {strides}",
+                "the gate and up halves are not the two blocks of each 16-column group",
+            )
+            return
+    if "gate_down" in ann:
+        inner = dtype_of(ann["gate_up"])
+        if inner not in ("float32", dtype) or dtype_of(ann["gate_down"]) != dtype:
+            an.fail(
+                "gate_cast",
+                f"SiLU in float32 or {dtype}, cast back to {dtype}",
+                f"{inner} -> {dtype_of(ann['gate_down'])}",
+                "the casts around the gate's SiLU change more than its precision",
+            )
+            return
+    elif dtype_of(ann["gate_silu"]) != dtype:
+        an.fail(
+            "gate_cast",
+            dtype,
+            dtype_of(ann["gate_silu"]),
+            "the gate's SiLU is not in the GEMM's dtype",
+        )
+        return
+    rows = _numel(ys[:-1])
+    if not out or out[-1] != n // 2 or (rows is not None and _numel(out) != rows * (n // 2)):
+        an.fail(
+            "out_shape",
+            f"[..., {n // 2}] holding the GEMM's rows",
+            out,
+            "the paired result is not regrouped to I = N / 2 columns, row for row",
+        )
+        return
+    if any(not isinstance(d, int) for d in out) and _numel(a_shape[:-1]) is None:
+        # symbolic rows: the output's leading dims must be the activation's
+        from worker.partition import same_dim
+
+        sa, so = shape_of(ann["a"]), shape_of(ann["root"])
+        if (
+            sa is None
+            or so is None
+            or len(sa) != len(so)
+            or not all(same_dim(p, q) for p, q in zip(sa[:-1], so[:-1], strict=True))
+        ):
+            an.fail(
+                "out_shape",
+                "the activation's leading dims",
+                _labels(so),
+                "the paired result's symbolic rows are not provably the activation's",
+            )
 
 
 def _check_gate(
@@ -580,6 +721,13 @@ def partition_gemms(mod: tvm.IRModule, options: CompileOptions, arch: str) -> Ge
         def check(ctx: Any) -> bool:
             ann = {str(k): v for k, v in ctx.annotated_expr.items()}
             an = analyze(pdef, ann, lambda e: 0, float32=float32)
+            if pdef.paired and arch.rstrip("a") != "sm_90":
+                an.fail(
+                    "paired_glu",
+                    "sm_90",
+                    arch,
+                    f"the paired SwiGLU GEMM is built for sm_90 only (target {arch})",
+                )
             leaks = _leaks(ctx)
             if leaks:
                 an.fail(

@@ -50,6 +50,20 @@ EPILOGUE_PICKS: dict[tuple[str, str, str], tuple[str, str]] = {
 }
 
 
+#: rows band -> (tile name, why) for a paired SwiGLU (gate and up projections as one GEMM of
+#: N = 2I). Not measured yet: the H200 rows (benchmarks/gemm_bench.py's llama_gate_up, against
+#: cuBLAS's one GEMM on concatenated weights + silu * up, and its two GEMMs) are pending. The
+#: pick is by wave count on 132 SMs: Llama-style 2048 x 11264 x 2048 is 16 x 88 = 1408 tiles of
+#: 128x128, 10.7 waves (97% of the last full), against 704 of 128x256 (5.3 waves, 89%) or 944
+#: of 128x192 (7.2 waves, 89%); and the ping-pong kernel runs one warp group's epilogue (a
+#: register-to-global store, no TMA) while the other's mainloop runs.
+PAIRED_PICKS: dict[str, tuple[str, str]] = {
+    "small": ("pingpong_128x128_c1x2", "pending: llama_gate_up"),
+    "medium": ("pingpong_128x128_c1x2", "pending: llama_gate_up"),
+    "large": ("pingpong_128x128_c1x2", "pending: llama_gate_up"),
+}
+
+
 def shape_class(spec: GemmSpec) -> tuple[str, str, str]:
     m = spec.m if isinstance(spec.m, int) else 1 << 20
     m *= spec.batch if isinstance(spec.batch, int) else 1
@@ -61,6 +75,12 @@ def shape_class(spec: GemmSpec) -> tuple[str, str, str]:
 def pick(spec: GemmSpec) -> tuple[str, str]:
     """(tile name, the reason the report gives)."""
     rows, cols, depth = shape_class(spec)
+    if spec.paired_glu:
+        name, why = PAIRED_PICKS[rows]
+        return name, (
+            f"the paired SwiGLU's pick for {rows} M, by wave count on 132 SMs; its H200 "
+            f"measurement ({why.removeprefix('pending: ')}) is pending"
+        )
     by_epilogue = EPILOGUE_PICKS.get((spec.activation, rows, depth))
     if by_epilogue is not None:
         name, why = by_epilogue

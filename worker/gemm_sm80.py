@@ -126,6 +126,8 @@ def supports(spec: GemmSpec, arch: str) -> str | None:
         return f"target arch {arch} is not one of {', '.join(ARCHS)}"
     if spec.dtype not in _CUTLASS_TYPE:
         return f"{spec.dtype} GEMMs are built for sm_90 only"
+    if spec.paired_glu:
+        return "the paired SwiGLU (gate and up projections as one GEMM) is built for sm_90 only"
     return gemm_sites.supports_site(spec)
 
 

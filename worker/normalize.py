@@ -42,6 +42,14 @@ as a :class:`~worker.report.Rewrite`:
   other operators (rotary embeddings, repeated heads), when ``combine_qkv`` cannot take them:
   one GEMM on concatenated weights, each projection a column slice of it. Narrow K/V
   projections (GQA: 512 columns at 2048 tokens) fill under half of an H200's SMs alone.
+- ``combine_gate_up``: SwiGLU's ``silu(x @ Wg^T) * (x @ Wu^T)`` (the SiLU possibly between casts
+  to float32 and back) becomes one matmul on the weights interleaved in blocks of 8 rows
+  (``Wgu[16j + i] = Wg[8j + i]``, ``Wgu[16j + 8 + i] = Wu[8j + i]``, computed from the weights
+  alone, so lifted into ``main_transform_params``) and the exact Relax expression of the paired
+  result: ``reshape(silu(y4[..., 0:1, :]) * y4[..., 1:2, :], [..., I])``, ``y4`` the product
+  regrouped as ``[..., I/8, 2, 8]``. The GEMM partition takes that tail as one site whose
+  epilogue pairs the columns in registers. Only for sm_90 in float16/bfloat16 (elsewhere the up
+  projection's epilogue reads the gate projection's output: ``silu_gate``).
 """
 
 from __future__ import annotations
@@ -150,6 +158,7 @@ class _Log:
     counts: Counter[str] = field(default_factory=Counter)
     sites: list[tuple[str, str, str]] = field(default_factory=list)  # (rewrite, tag, message)
     widths: list[str] = field(default_factory=list)  # of each combine_projections group
+    gate_up: list[str] = field(default_factory=list)  # "gate + up" weights, combine_gate_up
 
     def tagged(self, call: relax.Call, source: Any = None) -> tuple[relax.Call, str]:
         """``call`` carrying a span that names it (the tag of ``source`` when it has one), so
@@ -1477,6 +1486,233 @@ def _combine_projections(mod: tvm.IRModule, log: _Log) -> tvm.IRModule:
     return _simplify(out) if changed else mod
 
 
+# --------------------------------------------------------------------------------------------
+# SwiGLU's gate and up projections -> one GEMM, columns paired (sm_90)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _GateUp:
+    """``out = silu_chain(view(gate)) * view(up)``: ``var`` is bound to the product."""
+
+    var: Any
+    gate: _Projection
+    up: _Projection
+    gate_first: bool
+    #: dtype the SiLU runs in when cast up (None: no casts around it)
+    silu_dtype: str | None
+    #: every binding the rewrite replaces: each must have no reader outside the chain
+    chain: list[Any]
+
+
+def _name(var: Any) -> str:
+    return str(getattr(var, "name", "?"))[:128]
+
+
+def _use_counts(func: relax.Function) -> Counter[Any]:
+    """How many bindings (and the function's result) read each variable."""
+    counts: Counter[Any] = Counter()
+
+    def reads(expr: Any) -> None:
+        seen: set[Any] = set()
+
+        def visit(e: Any) -> None:
+            if isinstance(e, relax.Var) and e not in seen:
+                seen.add(e)
+                counts[e] += 1
+
+        relax.analysis.post_order_visit(expr, visit)
+
+    for block in func.body.blocks:
+        for b in block.bindings:
+            reads(b.value)
+    reads(func.body.body)
+    return counts
+
+
+def _unview(var: Any, var2val: Any, chain: list[Any]) -> Any:
+    """``var`` under a reshape that keeps its last dim (appended to ``chain``)."""
+    e = var2val.get(var)
+    if _op(e) == "relax.reshape" and isinstance(e.args[0], relax.Var):
+        inner = e.args[0]
+        s_in, s_out = getattr(inner.ty, "shape", None), getattr(var.ty, "shape", None)
+        if isinstance(s_in, relax.ShapeExpr) and isinstance(s_out, relax.ShapeExpr):
+            last_in, last_out = _ints(s_in.values[-1:]), _ints(s_out.values[-1:])
+            if last_in is not None and last_in == last_out:
+                chain.append(var)
+                return inner
+    return var
+
+
+def _projection_chain(var: Any, var2val: Any) -> list[Any]:
+    """The bindings of a projection ``astype?(matmul(x, permute_dims?(w)))`` bound to ``var``."""
+    out = [var]
+    e = var2val.get(var)
+    if _op(e) == "relax.astype" and isinstance(e.args[0], relax.Var):
+        out.append(e.args[0])
+        e = var2val.get(e.args[0])
+    w = e.args[1] if _op(e) == "relax.matmul" else None
+    if isinstance(w, relax.Var) and w in var2val:
+        out.append(w)
+    return out
+
+
+def _gate_up_of(var: Any, var2val: Any, params: set[Any]) -> _GateUp | None:
+    e = var2val.get(var)
+    if _op(e) != "relax.multiply" or not all(isinstance(a, relax.Var) for a in e.args):
+        return None
+    for gate_first in (True, False):
+        act, up_var = e.args if gate_first else e.args[::-1]
+        chain: list[Any] = []
+        # the gate chain gemm_partition's _gate_chain takes: [reshape] [astype] silu [astype]
+        g, silu_dtype = act, None
+        cast_down = _op(var2val.get(g)) == "relax.astype"
+        if cast_down:
+            chain.append(g)
+            g = var2val[g].args[0]
+        if not isinstance(g, relax.Var) or _op(var2val.get(g)) != "relax.nn.silu":
+            continue
+        chain.append(g)
+        g = var2val[g].args[0]
+        if cast_down:
+            if not isinstance(g, relax.Var) or _op(var2val.get(g)) != "relax.astype":
+                continue
+            chain.append(g)
+            silu_dtype = _dtype(g)
+            g = var2val[g].args[0]
+        if not isinstance(g, relax.Var):
+            continue
+        g = _unview(g, var2val, chain)
+        u = _unview(up_var, var2val, chain)
+        gate, up = _projection_of(g, var2val, params), _projection_of(u, var2val, params)
+        if gate is None or up is None or gate.var.same_as(up.var):
+            continue
+        dtype = gate.out_dtype
+        if cast_down and (silu_dtype not in ("float32", dtype) or _dtype(act) != dtype):
+            continue
+        if not cast_down and _dtype(act) != dtype:
+            continue
+        chain += _projection_chain(gate.var, var2val) + _projection_chain(up.var, var2val)
+        if not any(v.same_as(up_var) for v in chain):
+            chain.append(up_var)
+        return _GateUp(var, gate, up, gate_first, silu_dtype if cast_down else None, chain)
+    return None
+
+
+def _gate_up_groups(func: relax.Function) -> tuple[list[_GateUp], list[str]]:
+    """The SwiGLU products ``combine_gate_up`` takes, and why others were left (for tests)."""
+    var2val = relax.analysis.get_var2val(func)
+    params = set(func.params)
+    uses = _use_counts(func)
+    found: list[_GateUp] = []
+    skipped: list[str] = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            gu = _gate_up_of(b.var, var2val, params)
+            if gu is None:
+                continue
+            g, u = gu.gate, gu.up
+            ws, wu = _shape(g.weight), _shape(u.weight)
+            dtype = g.out_dtype
+            if not (
+                g.x.same_as(u.x)
+                and g.bias is None
+                and u.bias is None
+                and g.transposed == u.transposed
+                and (g.out_dtype, g.mm_dtype) == (u.out_dtype, u.mm_dtype)
+                and dtype in ("float16", "bfloat16")
+                and _dtype(g.weight) == _dtype(u.weight) == dtype
+                and _dtype(g.x) == dtype
+                and ws is not None
+                and ws == wu
+                and g.width % 8 == 0
+                and (ws[1] if g.transposed else ws[0]) % 8 == 0
+            ):
+                skipped.append(f"{_name(b.var)}: not two projections of one input alike")
+                continue
+            if not tvm_ffi.structural_equal(b.var.ty, getattr(b.value.args[0], "ty", None)) or (
+                not tvm_ffi.structural_equal(b.var.ty, b.value.args[1].ty)
+            ):
+                skipped.append(f"{_name(b.var)}: the product broadcasts")
+                continue
+            # nothing else reads the projections or the gate chain: one reader each
+            if any(uses[v] != 1 for v in gu.chain):
+                skipped.append(f"{_name(b.var)}: a projection's output is read elsewhere")
+                continue
+            found.append(gu)
+    return found, skipped
+
+
+@relax.expr_functor.mutator
+class _CombineGateUp(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, found: list[_GateUp]) -> None:
+        super().__init__(mod)
+        self.by_var = {gu.var: gu for gu in found}
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        gu = self.by_var.get(binding.var)
+        if gu is None:
+            super().visit_var_binding_(binding)
+            return
+        bb = self.builder_
+        g, u = gu.gate, gu.up
+        n = g.width
+        x = self.visit_expr(g.x)
+        # Wgu row 16j + i: Wg row 8j + i (i < 8), Wu row 8j + i - 8 (i >= 8); along the last
+        # axis for weights stored [K, N]
+        if g.transposed:
+            k = _shape(g.weight)[1]  # type: ignore[index]
+            blocks = [
+                bb.emit(relax.op.reshape(w, (n // 8, 8, k)), "gu_w") for w in (g.weight, u.weight)
+            ]
+            wcat = bb.emit(relax.op.concat(blocks, axis=1), "gu_w")
+            wgu = bb.emit(relax.op.reshape(wcat, (2 * n, k)), "gate_up_w")
+            w = bb.emit(relax.op.permute_dims(wgu, [1, 0]), "gate_up_wt")
+        else:
+            k = _shape(g.weight)[0]  # type: ignore[index]
+            blocks = [
+                bb.emit(relax.op.reshape(w, (k, n // 8, 8)), "gu_w") for w in (g.weight, u.weight)
+            ]
+            wcat = bb.emit(relax.op.concat(blocks, axis=2), "gu_w")
+            w = bb.emit(relax.op.reshape(wcat, (k, 2 * n)), "gate_up_w")
+        y = bb.emit(relax.op.matmul(x, w, out_dtype=g.mm_dtype), "gate_up")
+        if g.out_dtype != g.mm_dtype:
+            y = bb.emit(relax.op.astype(y, g.out_dtype), "gate_up")
+        lead = list(y.ty.shape.values[:-1])
+        y4 = bb.emit(relax.op.reshape(y, [*lead, n // 8, 2, 8]), "gate_up_pairs")
+        axis = len(lead) + 1
+        gate = bb.emit(relax.op.strided_slice(y4, [axis], [0], [1]), "gate")
+        up = bb.emit(relax.op.strided_slice(y4, [axis], [1], [2]), "up")
+        if gu.silu_dtype is not None:
+            act = bb.emit(relax.op.astype(gate, gu.silu_dtype), "gate")
+            act = bb.emit(relax.op.nn.silu(act), "gate_act")
+            act = bb.emit(relax.op.astype(act, g.out_dtype), "gate_act")
+        else:
+            act = bb.emit(relax.op.nn.silu(gate), "gate_act")
+        prod = bb.emit(relax.op.multiply(act, up), "swiglu")
+        out = relax.op.reshape(prod, binding.var.ty.shape)
+        if isinstance(binding.var, relax.DataflowVar) or not bb.current_block_is_dataflow():
+            new = bb.emit(out, _name(binding.var))
+        else:
+            new = bb.emit_output(out, _name(binding.var))
+        self.set_var_remap(binding.var, new)
+
+
+def _combine_gate_up(mod: tvm.IRModule, log: _Log) -> tvm.IRModule:
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
+    changed = False
+    for gv, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function) or (func.attrs and "Codegen" in func.attrs):
+            continue
+        found, _ = _gate_up_groups(func)
+        if not found:
+            continue
+        for gu in found:
+            log.counts["combine_gate_up"] += 1
+            log.gate_up.append(f"{_name(gu.gate.weight)} + {_name(gu.up.weight)}")
+        out[gv] = _CombineGateUp(mod, found).visit_expr(func)
+        changed = True
+    return _simplify(out) if changed else mod
+
+
 def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
     mod = relax.transform.DeadCodeElimination()(mod)
     mod = relax.transform.CanonicalizeBindings()(mod)
@@ -1531,6 +1767,8 @@ def normalize(
     mod = _run_local(mod, log, combine=options.fuse_stacked, gqa=gqa)
     if options.offload_gemm and options.fuse_stacked:  # both say "combine", as combine_qkv
         mod = _combine_projections(mod, log)
+    if options.offload_gemm and gqa:  # sm_90: the paired SwiGLU GEMM is a Hopper kernel
+        mod = _combine_gate_up(mod, log)
     sites = _attention_sites(mod)
     for name, tag, message in log.sites:
         fn, idx, binding = sites.get(tag, ("main", -1, "?"))
@@ -1547,6 +1785,17 @@ def normalize(
                 message=f"{len(log.widths)} set(s) of q/k/v projections of one input combined "
                 f"into one matmul each ({', '.join(dict.fromkeys(log.widths))} columns), "
                 "each projection a column slice",
+            )
+        )
+    if log.gate_up:
+        names = ", ".join(log.gate_up[:4]) + (", ..." if len(log.gate_up) > 4 else "")
+        rewrites.append(
+            Rewrite(
+                rewrite="combine_gate_up",
+                message=f"{len(log.gate_up)} SwiGLU MLP(s) ({names}): gate and up projections "
+                "combined into one matmul each on weights interleaved in blocks of 8 rows "
+                "(computed once, from the weights), silu(gate) * up read from its paired "
+                "columns",
             )
         )
     for name, template in _MESSAGES.items():

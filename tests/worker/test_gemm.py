@@ -368,29 +368,42 @@ def swiglu_module(
     casts: bool = True,
     gate_first: bool = True,
     gate_shape: tuple[int, ...] | None = None,
+    dtype: str = "float16",
+    transposed: bool = True,
+    leak: bool = False,
+    num_input: int | None = None,
 ) -> Any:
     """SwiGLU as transformers' Llama exports it: ``act(gate_proj(x)) * up_proj(x)``, the
     projections reshaped to ``[1, M, N]`` and, with ``casts``, the SiLU in float32 between two
-    casts. ``gate_shape`` replaces the gate projection by an argument of that shape."""
+    casts. ``gate_shape`` replaces the gate projection by an argument of that shape; weights are
+    ``[N, K]`` read through ``permute_dims`` (``transposed``) or ``[K, N]``; ``leak`` adds the
+    gate projection's output to the result (another reader of it)."""
     with IRBuilder() as builder, rb.function():
         R.func_name("main")
-        x = R.arg("x", R.Tensor((m, k), "float16"))
-        wg = R.arg("wg", R.Tensor((n, k), "float16"))
-        wu = R.arg("wu", R.Tensor((n, k), "float16"))
-        other = R.arg("g", R.Tensor(gate_shape, "float16")) if gate_shape else None
+        x = R.arg("x", R.Tensor((m, k), dtype))
+        wshape = (n, k) if transposed else (k, n)
+        wg = R.arg("wg", R.Tensor(wshape, dtype))
+        wu = R.arg("wu", R.Tensor(wshape, dtype))
+        other = R.arg("g", R.Tensor(gate_shape, dtype)) if gate_shape else None
+        if num_input is not None:
+            R.func_attr({"num_input": num_input})
         with R.dataflow() as frame:
+            acc = "float32" if dtype != "float32" else dtype
 
             def proj(w: Any) -> Any:
-                y = R.emit(R.matmul(x, R.permute_dims(w, [1, 0]), out_dtype="float32"))
-                return R.emit(R.reshape(R.astype(y, "float16"), (1, m, n)))
+                wt = R.permute_dims(w, [1, 0]) if transposed else w
+                y = R.emit(R.matmul(x, wt, out_dtype=acc))
+                return R.emit(R.reshape(R.astype(y, dtype), (1, m, n)))
 
             gate = other if other is not None else proj(wg)
             if casts:
-                act = R.emit(R.astype(R.nn.silu(R.astype(gate, "float32")), "float16"))
+                act = R.emit(R.astype(R.nn.silu(R.astype(gate, "float32")), dtype))
             else:
                 act = R.emit(R.nn.silu(gate))
             up = proj(wu)
             out = R.emit(R.multiply(act, up) if gate_first else R.multiply(up, act))
+            if leak:
+                out = R.emit(R.add(out, gate))
             R.output(out)
         R.func_ret_value(frame.output_vars[0])
     return tvm.IRModule({"main": builder.get()})
@@ -432,6 +445,210 @@ def test_the_gated_configuration_is_one_of_the_prebuilt_variants() -> None:
     assert ks.config["gate"] and ks.config["source_c"]
     assert (gemm_sm90.SILU_GATE, True) in gemm_sm90.EPILOGUE_VARIANTS
     assert ks.symbol in {c.symbol for c in gemm_sm90.selected_configs(("float16",))}
+
+
+# --------------------------------------------------------------------------------------------
+# the paired SwiGLU (sm_90): gate and up projections as one GEMM, columns paired in registers
+# --------------------------------------------------------------------------------------------
+def _interleaved(wg: np.ndarray, wu: np.ndarray, transposed: bool) -> np.ndarray:
+    """Wgu: row 16j + i = Wg[8j + i] (i < 8), Wu[8j + i - 8] (8 <= i < 16); columns for [K, N]."""
+    if not transposed:
+        return _interleaved(wg.T, wu.T, True).T
+    n, k = wg.shape
+    return np.concatenate([wg.reshape(n // 8, 8, k), wu.reshape(n // 8, 8, k)], 1).reshape(-1, k)
+
+
+@pytest.mark.parametrize("casts", [True, False])
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_swiglu_becomes_one_paired_gemm_on_hopper(
+    casts: bool, gate_first: bool, transposed: bool
+) -> None:
+    mod = swiglu_module(casts=casts, gate_first=gate_first, transposed=transposed)
+    new, rewrites = normalize.normalize(mod, OPTS, "sm_90")
+    (rw,) = [r for r in rewrites if r.rewrite == "combine_gate_up"]
+    assert "1 SwiGLU MLP(s) (wg + wu)" in rw.message
+    part = _gemms(new)
+    (entry,) = part.entries  # one matmul site left: the paired GEMM
+    assert entry.offloaded, entry.reason
+    assert entry.epilogue == ["swiglu"]
+    assert entry.b_layout == ("k_major" if transposed else "n_major")
+    script = part.mod["main"].script()
+    assert "R.nn.silu" not in script and "R.multiply" not in script, script
+    (ff,) = part.functions
+    spec = ff.spec
+    assert spec.paired_glu and (spec.n, spec.k, spec.m) == (96, 32, 64)
+    assert spec.out_shape == (1, 64, 48) and spec.out_n == 48
+    assert not spec.has_gate and spec.c_operand == -1
+    assert spec.operand_shapes[spec.b] == ((96, 32) if transposed else (32, 96))
+    ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
+    assert "silu(gate) * up, gate and up projections as one GEMM" in reason
+    assert "columns paired in registers" in reason and "pending" in reason
+    assert '#include "gemm_tvm_glu.cuh"' in ks.source and "run_paired_site(" in ks.source
+    assert "/*n=*/96, /*k=*/32" in ks.source and "/*out_shape=*/{1, 64, 48," in ks.source
+    (cfg,) = ks.needs
+    assert '#include "gemm_sm90_glu.cuh"' in cfg.source
+    assert "stackfuse::gemm::SwiGluPaired, false>" in cfg.source
+    assert any(f.endswith("kernels_glu") for f in cfg.flags + ks.flags)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arch"),
+    [
+        ({"leak": True}, "sm_90"),  # the gate projection's output is read elsewhere
+        ({"dtype": "float32"}, "sm_90"),
+        ({}, "sm_80"),
+        ({}, "sm_86"),
+        ({"n": 44}, "sm_90"),  # I not a multiple of 8
+    ],
+)
+def test_combine_gate_up_only_where_the_paired_gemm_takes_it(
+    kwargs: dict[str, Any], arch: str
+) -> None:
+    mod = swiglu_module(**kwargs)
+    new, rewrites = normalize.normalize(mod, OPTS, arch)
+    assert "combine_gate_up" not in {r.rewrite for r in rewrites}
+    assert new["main"].script().count("R.matmul(") == 2
+    if arch != "sm_90":  # Ampere-class archs keep the up projection's silu_gate epilogue
+        gate, up = _gemms(new, arch).entries
+        assert gate.offloaded and up.offloaded and up.epilogue == ["silu_gate"], up
+
+
+def test_combine_gate_up_is_off_without_gemm_offload() -> None:
+    opts = CompileOptions(offload_gemm=False)
+    _, rewrites = normalize.normalize(swiglu_module(), opts, "sm_90")
+    assert "combine_gate_up" not in {r.rewrite for r in rewrites}
+
+
+def test_the_paired_pattern_stays_in_tvm_off_hopper() -> None:
+    new, _ = normalize.normalize(swiglu_module(), OPTS, "sm_90")
+    part = _gemms(new, "sm_80")
+    (entry,) = part.entries  # the matmul alone runs on the sm_80 family; the pairing in TVM
+    assert entry.offloaded and entry.epilogue == [], entry
+    assert "R.multiply" in part.mod["main"].script()
+
+
+@pytest.mark.parametrize("casts", [True, False])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_combined_gate_up_computes_the_same_swiglu_lifted(casts: bool, transposed: bool) -> None:
+    """The rewritten module (unpartitioned: what TVM runs if the GEMM is not offloaded), its
+    weight interleave lifted into main_transform_params, against the original and numpy."""
+    m, k, n = 32, 64, 48
+    mod = swiglu_module(m, k, n, casts=casts, transposed=transposed, num_input=1)
+    new, _ = normalize.normalize(mod, OPTS, "sm_90")
+    lifted, rewrite, _ = lift.lift_params(new)
+    assert rewrite is not None
+    assert "R.concat(" in lifted[lift.TRANSFORM].script()
+    main = lifted["main"].script()
+    assert "R.concat(" not in main and main.count("R.matmul(") == 1
+    rng = np.random.default_rng(3)
+    x_np = (rng.standard_normal((m, k)) * 0.5).astype("float16")
+    shape = (n, k) if transposed else (k, n)
+    wg_np, wu_np = ((rng.standard_normal(shape) / k**0.5).astype("float16") for _ in range(2))
+    dev = tvm.cpu()
+
+    def tensors(*arrays: np.ndarray) -> list[Any]:
+        return [tvm.runtime.tensor(a, dev) for a in arrays]
+
+    ref_vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), dev)
+    want = ref_vm["main"](*tensors(x_np, wg_np, wu_np)).numpy().astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(lifted, target="llvm"), dev)
+    params = list(vm[lift.TRANSFORM](tensors(wg_np, wu_np)))
+    # [K, 2I] either way here: unpartitioned, TVM's transpose of Wgu is lifted with it
+    wgu = params[0].numpy()
+    np.testing.assert_array_equal(
+        wgu,
+        _interleaved(wg_np, wu_np, transposed).reshape(-1, k).T
+        if transposed
+        else _interleaved(wg_np, wu_np, False),
+    )
+    got = vm["main"](*tensors(x_np), *params).numpy().astype("float32")
+    assert got.shape == want.shape == (1, m, n)
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-2)
+    x32 = x_np.astype("float32")
+    wg32, wu32 = (
+        w.astype("float32") if transposed else w.astype("float32").T for w in (wg_np, wu_np)
+    )
+    g, u = x32 @ wg32.T, x32 @ wu32.T
+    np.testing.assert_allclose(got[0], g / (1 + np.exp(-g)) * u, atol=1e-2, rtol=2e-2)
+
+
+def test_paired_gemm_with_symbolic_rows() -> None:
+    """Serving: the sequence is symbolic; the pairing reshapes keep it, the spec reads M at
+    run time, and TVM computes the rewritten module exactly as the original."""
+    k, n = 32, 48
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        s = tvm.tirx.Var("s", "int64")
+        x = R.arg("x", R.Tensor((1, s, k), "float16"))
+        wg = R.arg("wg", R.Tensor((n, k), "float16"))
+        wu = R.arg("wu", R.Tensor((n, k), "float16"))
+        with R.dataflow() as frame:
+            g = R.emit(R.matmul(x, R.permute_dims(wg, [1, 0])))
+            u = R.emit(R.matmul(x, R.permute_dims(wu, [1, 0])))
+            out = R.emit(R.multiply(R.nn.silu(g), u))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    new, rewrites = normalize.normalize(mod, OPTS, "sm_90")
+    assert "combine_gate_up" in {r.rewrite for r in rewrites}
+    (ff,) = _gemms(new).functions
+    assert ff.spec.paired_glu and ff.spec.m == "?" and ff.spec.out_shape == (1, "?", 48)
+    assert "/*out_shape=*/{1, -1, 48," in gemm_sm90.select_kernel(ff.spec, "sm_90")[0].source
+    rng = np.random.default_rng(4)
+    args = [
+        (rng.standard_normal(shape) * scale).astype("float16")
+        for shape, scale in (((1, 40, k), 0.5), ((n, k), 0.2), ((n, k), 0.2))
+    ]
+    dev = tvm.cpu()
+    outs = [
+        relax.VirtualMachine(tvm.compile(m, target="llvm"), dev)["main"](
+            *[tvm.runtime.tensor(a, dev) for a in args]
+        ).numpy()
+        for m in (mod, new)
+    ]
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+def test_partitioned_paired_gemm_reads_the_lifted_interleave_in_place() -> None:
+    new, _ = normalize.normalize(swiglu_module(num_input=1), OPTS, "sm_90")
+    part = _gemms(new)
+    lifted, rewrite, _ = lift.lift_params(part.mod)
+    assert rewrite is not None
+    transform = lifted[lift.TRANSFORM].script()
+    assert "R.concat(" in transform and "R.permute_dims(" not in transform
+    assert "R.Tensor((96, 32)" in transform  # Wgu [2I, K], read K-major by the kernel
+    main = lifted["main"].script()
+    assert "R.concat(" not in main and "R.reshape(wg" not in main
+
+
+def test_the_paired_configuration_is_prebuilt() -> None:
+    ks = gemm_sm90.render_configuration(
+        "bfloat16", "pingpong_128x128_c1x2", False, gemm_sm90.SWIGLU, False
+    )
+    assert ks.config["paired_glu"] and ks.config["activation"] == "swiglu"
+    assert "cutlass::bfloat16_t, false, 128, 128, 64, 1, 2" in ks.source
+    syms = {c.symbol for c in gemm_sm90.selected_configs()}
+    assert ks.symbol in syms
+    (tile,) = {t for t, _ in gemm_selection.PAIRED_PICKS.values()}
+    paired = [c for c in gemm_sm90.selected_configs() if c.config.get("paired_glu")]
+    assert len(paired) == 4 and {c.config["tile"] for c in paired} == {tile}
+    # Ampere-class prebuilds have no paired configuration
+    assert not [c for c in gemm_sm80.selected_configs() if "SwiGluPaired" in c.source]
+
+
+def test_existing_configurations_keep_their_source() -> None:
+    """The paired SwiGLU's epilogue lives in kernels_glu: every other configuration's generated
+    source (its kernel-cache key, with worker/kernels' digest) includes only gemm_sm90.cuh."""
+    for ks in gemm_sm90.selected_configs():
+        paired = bool(ks.config.get("paired_glu"))
+        assert ("gemm_sm90_glu.cuh" in ks.source) == paired
+        assert ("kernels_glu" in " ".join(ks.flags)) == paired
+        if not paired:
+            assert ks.source.startswith(
+                "// Generated by stackfuse worker.gemm_sm90 (cutlass_gemm_sm90 configuration). "
+                'Type names only.\n#include "gemm_sm90.cuh"\n'
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -543,6 +760,57 @@ def test_one_gemm_configuration_and_its_glue_compile() -> None:
     assert ck.object_path.stat().st_size > 0
     (cfg_obj,) = ck.needs
     assert cfg_obj.stat().st_size > 100_000  # the CUTLASS kernel's machine code is in there
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_the_paired_swiglu_configuration_and_its_glue_compile() -> None:
+    from worker.nvcc import compile_object
+
+    spec = weight_spec(dtype="float16", m="?", n=11264, k=2048, b_kmajor=True, paired_glu=True)
+    ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
+    assert "columns paired in registers" in reason
+    ck = compile_object(ks)
+    assert ck.object_path.stat().st_size > 0
+    (cfg_obj,) = ck.needs
+    assert cfg_obj.stat().st_size > 100_000  # the CUTLASS kernel's machine code is in there
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_the_paired_epilogue_pairs_every_gate_with_its_up_column(tmp_path: Any) -> None:
+    """The epilogue's loop on the host (gemm_glu_layout_check.cu), over every thread of six
+    tiled MMAs: each store's gate, gate + 1, up, up + 1 are columns n, n + 1, n + 8, n + 9 of
+    one row, and the stores cover the tile's [TileM, TileN / 2] output exactly once."""
+    import subprocess
+    from pathlib import Path
+
+    from worker.toolchain import find_toolchain
+
+    chain = find_toolchain()
+    here = Path(__file__).resolve().parent
+    exe = tmp_path / "layout_check"
+    includes = [gemm_sm90.GLU_KERNELS_DIR, *gemm_sm90.include_dirs()]
+    subprocess.run(
+        [
+            str(chain.cuda_home / "bin" / "nvcc"),
+            "-O1",
+            "-std=c++17",
+            "--expt-relaxed-constexpr",
+            "-DNDEBUG",
+            "-w",
+            gemm_sm90.GENCODE,
+            *(f"-I{p}" for p in includes),
+            "-o",
+            str(exe),
+            str(here / "gemm_glu_layout_check.cu"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ALL OK"), out.stdout
 
 
 @pytest.mark.nvcc
