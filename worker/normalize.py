@@ -691,7 +691,7 @@ class _Local(relax.PyExprMutator):
             or arr.shape[-2:] not in ((sq, skv), (1, skv))
         ):
             return None
-        arr = arr.astype(np.float32)
+        arr = arr.astype(np.float32) * np.float32(coef)  # masked as the scores get it
         keep = arr > MASKED
         if np.any(arr[keep] != 0.0):
             return None
