@@ -482,6 +482,7 @@ def to_markdown(doc: dict[str, Any]) -> str:
         f"Command: `{doc['command']}` (libraries built with `python -m benchmarks.models_gpu "
         "build .gpu/models CASE...`). Torch " + doc.get("torch", "?") + ". " + doc["timing"] + ".",
         f"Reference: {doc['reference']}. Speed-ups are the peer's time over ours (> 1: faster).",
+        *([doc["note"]] if doc.get("note") else []),
         "",
         "| case | arch | attention fused | GEMMs offloaded | GEMM configs | rel err (ours) | "
         "rel err (eager fp16) | passed | " + " | ".join(f"{t} ms" for _, t in WAYS) + " | "
