@@ -289,6 +289,34 @@ static int call(LaunchFn fn, const void* a, const void* b, const void* c, const 
 # --------------------------------------------------------------------------------------------
 # run (GPU)
 # --------------------------------------------------------------------------------------------
+def _time_config(
+    fn: Any, args: tuple[Any, ...], d: Any, ref: Any, t_peer: float, flops: int, torch: Any,
+    rounds: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One configuration on one row: its status if it refused, else its time, TFLOP/s, ratio to
+    cuBLAS and max error (D is filled with NaN first: an element never written shows as NaN)."""
+    d.fill_(float("nan"))
+    status = fn(*args)
+    torch.cuda.synchronize()
+    if status != 0:
+        return {"status": status}
+    err = float((d.float() - ref).abs().max())
+    t = _steady(lambda: fn(*args), torch, rounds)
+    return {"s": t, "max_abs_error": err, "vs_cublas": t_peer / t, "tflops": flops / t / 1e12}
+
+
+def _close_row(row: dict[str, Any], chosen: str | None, t_peer: float, flops: int) -> None:
+    """The row's best tile, the selector's tile, both against cuBLAS, and cuBLAS's TFLOP/s."""
+    timed = {t: v for t, v in row["ours"].items() if "s" in v}
+    if timed:
+        best = min(timed, key=lambda t: timed[t]["s"])
+        row["best_tile"] = best
+        row["best_vs_cublas"] = timed[best]["vs_cublas"]
+    if chosen in timed:
+        row["selected_vs_cublas"] = timed[chosen]["vs_cublas"]
+    row["cublas_tflops"] = flops / t_peer / 1e12
+
+
 def _steady(fn: Any, torch: Any, rounds: int) -> float:
     """Median seconds per call over ``rounds``, each after ~PREROLL_S of untimed calls."""
     times = []
@@ -459,27 +487,10 @@ def run(
                             c["swizzle"],
                             ctypes.c_void_p(stream),
                         )
-                        status = fn(*args)
-                        torch.cuda.synchronize()
-                        if status != 0:
-                            row["ours"][c["tile"]] = {"status": status}
-                            continue
-                        err = float((d.float() - ref).abs().max())
-                        t = _steady(lambda fn=fn, args=args: fn(*args), torch, rounds)
-                        row["ours"][c["tile"]] = {
-                            "s": t,
-                            "max_abs_error": err,
-                            "vs_cublas": t_peer / t,
-                            "tflops": 2 * m * n * k / t / 1e12,
-                        }
-                    timed = {t: v for t, v in row["ours"].items() if "s" in v}
-                    if timed:
-                        best = min(timed, key=lambda t: timed[t]["s"])
-                        row["best_tile"] = best
-                        row["best_vs_cublas"] = timed[best]["vs_cublas"]
-                    if chosen in timed:
-                        row["selected_vs_cublas"] = timed[chosen]["vs_cublas"]
-                    row["cublas_tflops"] = 2 * m * n * k / t_peer / 1e12
+                        row["ours"][c["tile"]] = _time_config(
+                            fn, args, d, ref, t_peer, 2 * m * n * k, torch, rounds
+                        )
+                    _close_row(row, chosen, t_peer, 2 * m * n * k)
                     rows.append(row)
                     print(
                         json.dumps(
@@ -597,28 +608,10 @@ def _swiglu_rows(
                 c["swizzle"],
                 ctypes.c_void_p(stream),
             )
-            d.fill_(float("nan"))
-            status = fn(*args)
-            torch.cuda.synchronize()
-            if status != 0:
-                row["ours"][c["tile"]] = {"status": status}
-                continue
-            err = float((d.float() - ref).abs().max())  # NaN: an element was never written
-            t = _steady(lambda fn=fn, args=args: fn(*args), torch, rounds)
-            row["ours"][c["tile"]] = {
-                "s": t,
-                "max_abs_error": err,
-                "vs_cublas": t_peer / t,
-                "tflops": 2 * m * n * k / t / 1e12,
-            }
-        timed = {t: v for t, v in row["ours"].items() if "s" in v}
-        if timed:
-            best = min(timed, key=lambda t: timed[t]["s"])
-            row["best_tile"] = best
-            row["best_vs_cublas"] = timed[best]["vs_cublas"]
-        if chosen in timed:
-            row["selected_vs_cublas"] = timed[chosen]["vs_cublas"]
-        row["cublas_tflops"] = 2 * m * n * k / t_peer / 1e12
+            row["ours"][c["tile"]] = _time_config(
+                fn, args, d, ref, t_peer, 2 * m * n * k, torch, rounds
+            )
+        _close_row(row, chosen, t_peer, 2 * m * n * k)
         rows.append(row)
         keys = ("shape", "b_layout", "cublas_path", "best_tile", "best_vs_cublas")
         print(json.dumps({k2: row[k2] for k2 in keys if k2 in row}), flush=True)

@@ -540,23 +540,7 @@ def _check_paired(
                 "the gate and up halves are not the two blocks of each 16-column group",
             )
             return
-    if "gate_down" in ann:
-        inner = dtype_of(ann["gate_up"])
-        if inner not in ("float32", dtype) or dtype_of(ann["gate_down"]) != dtype:
-            an.fail(
-                "gate_cast",
-                f"SiLU in float32 or {dtype}, cast back to {dtype}",
-                f"{inner} -> {dtype_of(ann['gate_down'])}",
-                "the casts around the gate's SiLU change more than its precision",
-            )
-            return
-    elif dtype_of(ann["gate_silu"]) != dtype:
-        an.fail(
-            "gate_cast",
-            dtype,
-            dtype_of(ann["gate_silu"]),
-            "the gate's SiLU is not in the GEMM's dtype",
-        )
+    if not _gate_casts_ok(an, ann, dtype):
         return
     rows = _numel(ys[:-1])
     if not out or out[-1] != n // 2 or (rows is not None and _numel(out) != rows * (n // 2)):
@@ -613,6 +597,14 @@ def _check_gate(
             "the gate's symbolic dims are not provably the output's",
         )
         return -1
+    if not _gate_casts_ok(an, ann, dtype):
+        return -1
+    return operand_index(gate)
+
+
+def _gate_casts_ok(an: GemmAnalysis, ann: dict[str, Any], dtype: str) -> bool:
+    """The gate's SiLU runs in the GEMM's dtype, or between casts that only change precision
+    (float32 and back, as transformers' Llama writes it); a ``gate_cast`` failure otherwise."""
     if "gate_down" in ann:
         inner = dtype_of(ann["gate_up"])
         if inner not in ("float32", dtype) or dtype_of(ann["gate_down"]) != dtype:
@@ -622,7 +614,7 @@ def _check_gate(
                 f"{inner} -> {dtype_of(ann['gate_down'])}",
                 "the casts around the gate's SiLU change more than its precision",
             )
-            return -1
+            return False
     elif dtype_of(ann["gate_silu"]) != dtype:
         an.fail(
             "gate_cast",
@@ -630,8 +622,8 @@ def _check_gate(
             dtype_of(ann["gate_silu"]),
             "the gate's SiLU is not in the GEMM's dtype",
         )
-        return -1
-    return operand_index(gate)
+        return False
+    return True
 
 
 def _same_symbolic(x: Any, y: Any) -> bool:
