@@ -118,8 +118,9 @@ def render(doc: dict[str, Any]) -> str:
         f"<h1>Fusion report</h1><p>{summary}</p>"
         f"<p>target {_e(doc.get('target', {}).get('arch', ''))}; library "
         f"<code>{_e(lib.get('file', '-'))}</code> ({_e(lib.get('size_bytes', '-'))} bytes); "
-        f"compile {_e(doc.get('compile_s', 0))} s; cached {_e(doc.get('cached', False))}; "
-        f"validation {_e(doc.get('validation', {}).get('status', ''))}</p>"
+        f"compile {_e(doc.get('compile_s', 0))} s"
+        f"{' (from the compile cache)' if doc.get('cached') else ''}; "
+        f"validation: {_e(str(doc.get('validation', {}).get('status', '')).replace('_', ' '))}</p>"
         + (f'<p class="no">error: {_e(error)}</p>' if error else "")
         + "<h2>Sites</h2><table><tr><th>site</th><th>kind</th><th>names</th><th>verdict</th>"
         "<th>kernel</th><th>reason</th><th>failed checks (expected vs actual)</th></tr>"
