@@ -1381,9 +1381,10 @@ def _window(keep: Any) -> int | None:
     s, skv = keep.shape[-2:]
     i = np.arange(s)[:, None] + (skv - s)
     j = np.arange(skv)[None, :]
-    for w in range(1, skv + 1):
-        if np.array_equal(keep, np.broadcast_to((j <= i) & (j > i - w), keep.shape)):
-            return w
+    # the last query sees min(w, S_kv) keys: the one width to check (one pass over the mask)
+    w = int(keep.reshape(-1, s, skv)[0, -1].sum())
+    if w and np.array_equal(keep, np.broadcast_to((j <= i) & (j > i - w), keep.shape)):
+        return w
     return None
 
 
