@@ -129,6 +129,33 @@ def attention_module(
     return tvm.IRModule({"main": builder.get()})
 
 
+def packed_mqa_module(
+    b: int | str, s: int, n: int, n_kv: int, h: int, *, dtype: str = "float16"
+) -> Any:
+    """GPTBigCode's multi-query packing as ``torch.export`` leaves it once K/V are no longer
+    repeated: ``qkv[B, S, N*H + 2*Nkv*H] -> expand_dims(1) -> split(axis 3)``, q reshaped to
+    ``[B, S, N, H]``; one K/V head transposed in its size-1 axes (``[B, 1, S, H] ->
+    [B, S, 1, H]``), grouped ones (Nkv > 1) reshaped to ``[B, S, Nkv, H]``."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        bdim = tvm.tirx.Var(b, "int64") if isinstance(b, str) else b
+        qkv = R.arg("qkv", R.Tensor((bdim, s, (n + 2 * n_kv) * h), dtype))
+        with R.dataflow() as frame:
+            wide = R.emit(R.expand_dims(qkv, [1]))
+            parts = R.emit(R.split(wide, [n * h, (n + n_kv) * h], axis=3))
+            q = R.emit(R.reshape(parts[0], [bdim, s, n, h]))
+
+            def kv(i: int) -> Any:
+                if n_kv == 1:
+                    return R.emit(R.permute_dims(parts[i], [0, 2, 1, 3]))
+                return R.emit(R.reshape(parts[i], [bdim, s, n_kv, h]))
+
+            out = R.emit(R.nn.attention(q, kv(1), kv(2), causal_mask="TopLeft"))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
 def to_json(mod: Any) -> str:
     return tvm.ir.save_json(mod)
 

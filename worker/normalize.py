@@ -21,6 +21,10 @@ as a :class:`~worker.report.Rewrite`:
 - ``transpose_pairs``: ``permute_dims`` chains compose; identities vanish; a transpose is moved
   below a split or slice, and a batch-merged transpose (reshape -> 3-D transpose -> reshape) is
   seen as the 4-D transpose it is, so that pairs meet and cancel;
+- ``unit_axes``: a split of an unsqueezed tensor becomes a split of the tensor, each piece
+  reshaped; a transpose that moves only the extent-1 axes such a reshape added becomes a
+  reshape. GPTBigCode's multi-query ``[q | k | v]`` (``[B, 1, S, C]`` split, one K/V head
+  transposed ``[B, 1, S, H] -> [B, S, 1, H]``) then reads ``split -> reshape -> attention``;
 - ``empty_concat``: zero-width concat operands (partial rotary with no rotary dims) are dropped;
 - ``rms_norm``: ``w * cast?(x * rsqrt(mean(x * x, -1) + eps))`` (Llama's RMSNorm, in float32
   between casts) becomes one ``R.nn.rms_norm``: TVM fused the chain into three kernels that
@@ -239,7 +243,8 @@ class _Local(relax.PyExprMutator):
 
     def visit_tuple_getitem_(self, node: relax.TupleGetItem) -> Any:
         node = super().visit_tuple_getitem_(node)
-        return self.split_below_permute(node)
+        out = self.split_below_permute(node)
+        return self.split_below_unsqueeze(node) if out is node else out
 
     # ---- transposes ---------------------------------------------------------------------
     def permute(self, call: relax.Call) -> Any:
@@ -248,7 +253,7 @@ class _Local(relax.PyExprMutator):
             if _axes(call) == list(range(_ndim(call))):
                 self.log.counts["transpose_pairs"] += 1
                 return call.args[0]
-            return call
+            return self.unit_permute(call, inner)
         p1, p2 = _axes(inner), _axes(call)
         composed = [p1[i] for i in p2]
         self.log.counts["transpose_pairs"] += 1
@@ -277,6 +282,67 @@ class _Local(relax.PyExprMutator):
         piece = self.emit(relax.TupleGetItem(self.split_cache[key], node.index))
         self.log.counts["transpose_pairs"] += 1
         return relax.op.permute_dims(piece, p)
+
+    def split_below_unsqueeze(self, node: relax.TupleGetItem) -> Any:
+        """``split(expand_dims(x, u), axis=a)[i]`` -> ``reshape(split(x, axis=a')[i], ...)``
+        for ``a`` not an inserted axis: the piece is the same view of ``x``'s split, and the
+        stacked patterns read ``split -> reshape``. GPTBigCode's multi-query ``c_attn`` output
+        is unsqueezed to ``[B, 1, S, C]`` before q, k and v are split off."""
+        split = self.value(node.tuple_value)
+        if _op(split) != "relax.split":
+            return node
+        src = self.value(split.args[0])
+        if _op(src) != "relax.expand_dims":
+            return node
+        n = _ndim(src)
+        inserted = _ints(src.attrs.axis)
+        shape = getattr(node.ty, "shape", None)
+        if inserted is None or n < 0 or not isinstance(shape, relax.ShapeExpr):
+            return node
+        inserted = [a + n if a < 0 else a for a in inserted]
+        axis = int(split.attrs.axis)
+        axis = axis + n if axis < 0 else axis
+        if axis in inserted:
+            return node
+        key = ("unsqueeze", split)
+        if key not in self.split_cache:
+            ios = split.attrs.indices_or_sections
+            ios_v: Any = int(ios.value) if hasattr(ios, "value") else _ints(ios)
+            if ios_v is None:
+                return node
+            new_axis = axis - sum(1 for a in inserted if a < axis)
+            self.split_cache[key] = self.emit(relax.op.split(src.args[0], ios_v, new_axis))
+        piece = self.emit(relax.TupleGetItem(self.split_cache[key], node.index))
+        self.log.counts["unit_axes"] += 1
+        return relax.op.reshape(piece, shape)
+
+    def unit_permute(self, call: relax.Call, inner: Any) -> Any:
+        """``permute_dims`` that moves only extent-1 axes of a piece of a split that a reshape
+        gave extent-1 axes and nothing else -> ``reshape``: the same view, in the ``split ->
+        reshape`` form the stacked patterns read (GPTBigCode's one K/V head, ``[B, 1, S, H]
+        -> [B, S, 1, H]``, once :meth:`split_below_unsqueeze` has moved the unsqueeze)."""
+        if _op(inner) != "relax.reshape":
+            return call
+        base = self.value(inner.args[0])
+        if not isinstance(base, relax.TupleGetItem):
+            return call
+        if _op(self.value(base.tuple_value)) != "relax.split":
+            return call
+        shapes = [getattr(e.ty, "shape", None) for e in (inner.args[0], call.args[0], call)]
+        if not all(isinstance(sh, relax.ShapeExpr) for sh in shapes):
+            return call
+        piece, src, _ = (list(sh.values) for sh in shapes)  # type: ignore[union-attr]
+
+        def not_one(dims: list[Any]) -> list[Any]:
+            return [d for d in dims if _ints([d]) != [1]]
+
+        if not tvm_ffi.structural_equal(not_one(piece), not_one(src)):
+            return call  # the reshape splits or merges axes: not a unit-axis view
+        kept = [i for i in _axes(call) if _ints([src[i]]) != [1]]
+        if kept != sorted(kept):
+            return call
+        self.log.counts["unit_axes"] += 1
+        return relax.op.reshape(call.args[0], shapes[2])
 
     def slice_below_permute(self, call: relax.Call) -> Any:
         """``strided_slice(permute(x, p), axes)`` -> ``permute(strided_slice(x, p[axes]), p)``."""
@@ -1314,6 +1380,8 @@ class _Local(relax.PyExprMutator):
 _MESSAGES = {
     "transpose_pairs": "{n} transpose(s) composed, cancelled or moved below a split/slice",
     "empty_concat": "{n} concat(s) with zero-width operands simplified",
+    "unit_axes": "{n} view(s) of split pieces (an unsqueeze before the split, a transpose of "
+    "size-1 axes) written as reshapes: q, k and v read as pieces of one split",
     "rms_norm": "{n} RMSNorm chain(s) (mean of squares, rsqrt, scale) written as rms_norm",
     "integer_power": "{n} power(x, 2|3|4) written as multiplies (fast-math powf is NaN for x < 0)",
     "gelu_tanh": "{n} tanh-form GELU chain(s) written as gelu_tanh (fusable into a GEMM epilogue)",

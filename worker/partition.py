@@ -1444,7 +1444,8 @@ def _plain_reason(call: relax.Call, values: dict[Any, Any], failures: list[str])
             said.append(
                 f"{' and '.join(repeated)} repeated up to the query heads ({', '.join(repeats)})"
                 ": grouped_kv reads K/V heads grouped only on sm_90, in float16/bfloat16, "
-                "without a bias"
+                "without a bias (the Hopper kernel reads grouped heads; the SM80-class kernel "
+                "reads equal head counts only, so K and V stay repeated)"
             )
         return "; ".join(said) + bias + ", so fused as plain attention with q, k, v in memory"
     heads = [shape_of(a) for a in call.args[:3]]

@@ -65,6 +65,8 @@ class Family:
     bias: bool = False
     #: words that some normalization's message must contain
     messages: list[str] = field(default_factory=list)
+    #: the float32 imports' outcomes, where they differ (the Hopper kernel reads no float32)
+    outcomes_f32: list[str] | None = None
 
 
 STACKED = ["stacked"] * LAYERS
@@ -113,15 +115,17 @@ FAMILIES = {
     "phi3": Family(
         "phi3", 16, PLAIN, ROTARY, ["v passes", "broadcast_to"], {"grouped_kv", "empty_concat"}
     ),
-    # multi-query: one K/V head, sliced from c_attn and transposed rather than reshaped
+    # multi-query: c_attn gives [q | k | v] with one K/V head, unsqueezed before the split and
+    # k, v transposed in their size-1 axes; unit_axes makes them split -> reshape, grouped_kv
+    # drops the repeat: stacked, read in place by the Hopper kernel (GQA 4/1). In float32 the
+    # heads stay repeated (no Hopper kernel for float32): plain
     "gpt_bigcode": Family(
         "gpt_bigcode",
         16,
-        PLAIN,
-        ["views of one tensor", "multi-query", "1 key/value head", "`permute_dims`"],
-        ["passes through"],
-        {"grouped_kv"},
-        words_f32=["k and v repeated", "`broadcast_to`", "float16"],
+        STACKED,
+        rewrites={"grouped_kv", "unit_axes", "transpose_pairs"},
+        words_f32=["k and v repeated", "`broadcast_to`", "float16", "equal head counts only"],
+        outcomes_f32=PLAIN,
     ),
     # ALiBi: 3-D scores + a [B*N, 1, S] per-head position bias, + the causal mask on their 4-D
     # view: one attention with a [B, N, 1, S] bias and causal_mask, q, k, v picked (`take`) out
@@ -188,13 +192,14 @@ def _imported(fam: Family, dtype: str | None, route: str = "torch", tmp: Path | 
 
 
 def _check_outcomes(fam: Family, res: PartitionResult, float16: bool = True) -> None:
-    assert len(res.sites) == len(fam.outcomes)
-    assert [f.pattern.kind for f in res.fused] == fam.outcomes  # nothing left to TVM
+    outcomes = fam.outcomes if float16 or fam.outcomes_f32 is None else fam.outcomes_f32
+    assert len(res.sites) == len(outcomes)
+    assert [f.pattern.kind for f in res.fused] == outcomes  # nothing left to TVM
     assert res.unbuildable == []
     sites = [r for r in res.reasons if r.outcome != "not_attention"]
-    assert [r.outcome for r in sites] == ["fused_plain" for o in fam.outcomes if o == "plain"]
+    assert [r.outcome for r in sites] == ["fused_plain" for o in outcomes if o == "plain"]
     assert [r.where.site for r in sites if r.where] == [
-        f"main/attention#{i}" for i, o in enumerate(fam.outcomes) if o == "plain"
+        f"main/attention#{i}" for i, o in enumerate(outcomes) if o == "plain"
     ]
     assert len(res.reasons) - len(sites) == fam.not_attention
     words = fam.words if float16 or fam.words_f32 is None else fam.words_f32
@@ -227,6 +232,21 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
         assert {f.pattern.name for f in res.fused} == {
             "cutlass.stacked_attention.interleaved_5d_bias"
         }
+    if case == "gpt_bigcode":  # [q | k | v] of 4 + 1 + 1 heads of 64, read in place
+        assert {f.pattern.name for f in res.fused} == {"cutlass.stacked_attention.split"}
+        for m in res.match_entries():
+            assert m.shapes["qkv"] == [2, fam.seq, 384]
+            assert m.shapes["k"] == m.shapes["v"] == [2, fam.seq, 1, 64]
+            lay = m.layout
+            assert (lay.q_offset, lay.k_offset, lay.v_offset) == (0, 256, 320)
+            assert lay.row_stride == {"q": 384, "k": 384, "v": 384}
+            assert lay.head_stride == {"q": 64, "k": 64, "v": 64}
+            assert lay.batch_stride == {r: 384 * fam.seq for r in "qkv"}
+            assert (lay.source, lay.packing, lay.order) == ("stacked", "blocked", "qkv")
+        for ff in res.functions:
+            assert ff.analysis.spec is not None
+            assert (ff.analysis.spec.num_q_heads, ff.analysis.spec.num_kv_heads) == (4, 1)
+            assert "GQA 4/1" in select_kernel(ff.analysis.spec, ARCH)[1]
     if fam.bias:  # one bias row per batch entry (padding) or per head (ALiBi), one per key
         for m in res.match_entries():
             b, n, sq, skv = m.shapes["bias"]
@@ -237,6 +257,26 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
         assert ff.analysis.spec is not None
         _, why = select_kernel(ff.analysis.spec, ARCH)
         assert why.startswith("Hopper FMHA" if fam.kernel == "hopper" else "SM80-class"), why
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89"])
+def test_gpt_bigcode_float16_before_sm90(arch: str) -> None:
+    """No kernel of ours reads MQA before sm_90: grouped_kv keeps the repeated K/V heads, the
+    site is fused plain with q, k, v in memory, and the reason says why."""
+    fam = FAMILIES["gpt_bigcode"]
+    _, _, imported = _imported(fam, "float16")
+    mod, rewrites = normalize(imported.mod, OPTS, arch)
+    assert "grouped_kv" not in {r.rewrite for r in rewrites}
+    res = partition(mod, OPTS, arch)
+    assert [f.pattern.name for f in res.fused] == ["cutlass.attention"] * LAYERS
+    assert [r.outcome for r in res.reasons] == ["fused_plain"] * LAYERS
+    for r in res.reasons:
+        for w in ("k and v repeated", "`broadcast_to`", "only on sm_90", "equal head counts"):
+            assert w in r.reason, (w, r.reason)
+    for ff in res.functions:
+        assert ff.analysis.spec is not None
+        assert ff.analysis.spec.num_kv_heads == ff.analysis.spec.num_q_heads == 4
+        assert select_kernel(ff.analysis.spec, arch)[1].startswith("SM80-class")
 
 
 def _run_cpu(model: Any, inputs: Any, imported: Any, mod: Any) -> None:

@@ -514,3 +514,24 @@ def test_projections_of_different_inputs_stay_apart() -> None:
     out, rewrites = normalize(rotary_gqa_module(cross=True), OPTS)
     assert "combine_projections" not in _names(rewrites)
     assert _ops(out).count("relax.matmul") == 3
+
+
+# --- unit axes (GPTBigCode's multi-query packing) ------------------------------------------
+def test_transpose_of_a_reshape_that_splits_axes_is_kept() -> None:
+    """``unit_axes`` writes a transpose as a reshape only where a reshape gave a split piece
+    extent-1 axes and nothing else (packed_mqa_module's one K/V head). At S = 1 a GPT-2 style
+    ``reshape([B, 1, C] -> [B, 1, N, H]) -> permute -> [B, N, 1, H]`` moves only the unit axis
+    too, but the reshape splits C into heads: left to transpose_pairs."""
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        qkv = R.arg("qkv", R.Tensor((B, 1, 3 * C), "float16"))
+        with R.dataflow() as frame:
+            parts = R.emit(R.split(qkv, 3, axis=2))
+            q = R.emit(R.reshape(parts[0], [B, 1, N, H]))
+            out = R.emit(R.permute_dims(q, [0, 2, 1, 3]))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    mod = tvm.IRModule({"main": builder.get()})
+    out, rewrites = normalize(mod, OPTS, "sm_90")
+    assert "unit_axes" not in _names(rewrites)
+    assert "relax.permute_dims" in _ops(out)

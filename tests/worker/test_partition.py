@@ -11,6 +11,7 @@ from tests.models import (
     R,
     attention_module,
     custom_attention_module,
+    packed_mqa_module,
     stacked_attention_module,
 )
 from worker.partition import PATTERN_ORDER, PATTERNS, partition
@@ -310,3 +311,69 @@ def test_gqa_is_fused_on_sm90_where_the_hopper_kernel_takes_it() -> None:
     refused = partition(mod, CompileOptions(kernel="sm80"), arch="sm_90")
     assert refused.fused == [] or refused.fused[0].pattern.kind == "plain"
     assert any(f.check == "num_heads" for f in refused.failures)
+
+
+@pytest.mark.parametrize(("b", "n_kv"), [(2, 1), ("b", 1), (2, 2)], ids=["mqa", "mqa_dyn", "gqa"])
+def test_packed_mqa_is_read_in_place_on_sm90(b: int | str, n_kv: int) -> None:
+    """``[q | k | v]`` with fewer K/V heads, unsqueezed before the split (GPTBigCode):
+    normalize's ``unit_axes`` makes q, k, v reshapes of one split, and on sm_90 the Hopper
+    kernel reads them in place: k at N*H, v at (N + Nkv)*H, row stride (N + 2 Nkv)*H."""
+    import numpy as np
+
+    from worker.build import expand_kv_heads
+    from worker.normalize import normalize
+    from worker.selection import select_kernel
+    from worker.toolchain import import_tvm
+
+    n, h = 4, 64
+    mod = packed_mqa_module(b, 16, n, n_kv, h)
+    out, rewrites = normalize(mod, OPTS, "sm_90")
+    assert "unit_axes" in {r.rewrite for r in rewrites}
+    res = partition(out, OPTS, arch="sm_90")
+    assert res.failures == [] and res.reasons == []
+    (m,) = res.match_entries()
+    assert (m.kind, m.pattern) == ("stacked", "cutlass.stacked_attention.split")
+    row = (n + 2 * n_kv) * h
+    assert m.layout.model_dump() == {
+        "source": "stacked",
+        "q_offset": 0,
+        "k_offset": n * h,
+        "v_offset": (n + n_kv) * h,
+        "row_stride": {"q": row, "k": row, "v": row},
+        "head_stride": {"q": h, "k": h, "v": h},
+        "batch_stride": {r: row * 16 for r in "qkv"},
+        "order": "qkv",
+        "packing": "blocked",
+    }
+    assert m.shapes["k"][2] == n_kv
+    (ff,) = res.functions
+    assert ff.analysis.spec is not None
+    assert f"GQA {n}/{n_kv}" in select_kernel(ff.analysis.spec, "sm_90")[1]
+    # the views are the same values: both modules on TVM (K/V repeated for its attention)
+    if b == 2:
+        tvm = import_tvm()
+        x = np.random.default_rng(0).standard_normal((2, 16, row)).astype("float16")
+
+        def run(mod: Any) -> Any:
+            exe = tvm.compile(expand_kv_heads(mod), target="llvm")
+            vm = relax.VirtualMachine(exe, tvm.cpu())
+            return vm["main"](tvm.runtime.tensor(x)).numpy().astype("float32")
+
+        np.testing.assert_allclose(run(out), run(mod), atol=1e-3)
+
+
+def test_packed_mqa_before_sm90_is_left_to_tvm_with_the_reason() -> None:
+    """No SM80-class MQA: the stacked and plain patterns both refuse one K/V head for four
+    query heads (``num_heads``), and the site says why."""
+    from worker.normalize import normalize
+
+    out, _ = normalize(packed_mqa_module(2, 16, 4, 1, 64), OPTS, "sm_80")
+    res = partition(out, OPTS, arch="sm_80")
+    assert res.fused == []
+    assert {(f.pattern, f.check) for f in res.failures} >= {
+        ("cutlass.stacked_attention.split", "num_heads"),
+        ("cutlass.attention", "num_heads"),
+    }
+    (r,) = res.reasons
+    assert r.outcome == "not_offloaded"
+    assert "need the Hopper kernel" in r.reason and "sm_80 is not sm_90" in r.reason
