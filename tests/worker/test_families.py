@@ -239,6 +239,18 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
         assert why.startswith("Hopper FMHA" if fam.kernel == "hopper" else "SM80-class"), why
 
 
+def test_a_padded_bloom_passes_the_service_checks() -> None:
+    """Its ALiBi positions are a cumsum of the padding mask, computed in the graph (int64):
+    the service's ingest takes the scan."""
+    from service.settings import Settings
+    from worker.ingest import load_module
+
+    _, _, imported = _imported(FAMILIES["bloom_padded"], "float16")
+    text = tvm.ir.save_json(imported.mod)
+    assert '"relax.cumsum"' in text
+    load_module(text, "tvm-json", Settings())
+
+
 def _run_cpu(model: Any, inputs: Any, imported: Any, mod: Any) -> None:
     import torch
     from tvm import relax
