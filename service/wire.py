@@ -43,7 +43,9 @@ from service.settings import Settings
 # --- policy: what a client module may contain ----------------------------------------------
 
 #: Relax operators a client may call: those ``relax.transform.LegalizeOps`` lowers to plain
-#: tensor programs on CUDA. Left out on purpose: anything that calls a named function at run
+#: tensor programs on CUDA, and the scans (:data:`SCAN_OPS`), which TVM's library dispatch
+#: (``DispatchSortScan``, first in its CPU and CUDA pipelines and in ours) lowers. Left out on
+#: purpose: anything that calls a named function at run
 #: time (call_packed, call_pure_packed, call_dps_packed, call_tir*, call_builtin_with_ctx,
 #: ExternFunc), prints or asserts, manages memory or the VM (relax.memory.*, relax.vm.*,
 #: relax.builtin.*), distributed and gradient ops, introspection, vision ops, einsum (its
@@ -70,8 +72,9 @@ ALLOWED_OPS: frozenset[str] = frozenset(
         "index_put", "index_tensor", "meshgrid", "one_hot", "permute_dims", "repeat", "reshape",
         "reverse_sequence", "scatter_elements", "scatter_nd", "slice_scatter", "split", "squeeze",
         "stack", "strided_slice", "take", "tile", "where",
-        # reduction, linear algebra, quantization, image
+        # reduction, scan, linear algebra, quantization, image
         "argmax", "argmin", "max", "mean", "median", "min", "prod", "std", "sum", "variance",
+        "cumprod", "cumsum",
         "matmul", "outer", "quantize", "dequantize", "image.resize2d",
         # nn
         "nn.adaptive_avg_pool1d", "nn.adaptive_avg_pool2d", "nn.adaptive_avg_pool3d",
@@ -100,11 +103,25 @@ ATTRS_TYPES: frozenset[str] = frozenset(
         "NLLLossAttrs", "OneHotAttrs", "PReluAttrs", "PadAttrs", "PermuteDimsAttrs",
         "PixelShuffleAttrs", "Pool1DAttrs", "Pool2DAttrs", "Pool3DAttrs", "QuantizeAttrs",
         "RMSNormAttrs", "RepeatAttrs", "Resize2DAttrs", "ReverseSequenceAttrs",
-        "ScatterElementsAttrs", "ScatterNDAttrs", "SliceScatterAttrs", "SoftmaxAttrs",
-        "SoftplusAttrs", "SplitAttrs", "SqueezeAttrs", "StackAttrs", "StatisticalAttrs",
-        "StridedSliceAttrs", "TakeAttrs", "TileAttrs",
+        "ScanopAttrs", "ScatterElementsAttrs", "ScatterNDAttrs", "SliceScatterAttrs",
+        "SoftmaxAttrs", "SoftplusAttrs", "SplitAttrs", "SqueezeAttrs", "StackAttrs",
+        "StatisticalAttrs", "StridedSliceAttrs", "TakeAttrs", "TileAttrs",
     )
 )
+# fmt: on
+
+#: Scans: ``relax.cumsum`` (``seqstart`` of a ragged batch is the cumsum of its lengths) and
+#: ``relax.cumprod``, one attrs type (axis, result dtype, exclusive).
+SCAN_OPS: frozenset[str] = frozenset({"relax.cumsum", "relax.cumprod"})
+#: Result dtypes TVM builds a scan in, for LLVM and for CUDA alike (the input is cast to the
+#: result dtype first, so any input dtype builds). Left out: bool (LLVM's build fails a
+#: float-type check), int8 and uint8 (the CUDA build fails an internal check), float8 (nvcc
+#: refuses TVM's CUDA for it) and void.
+# fmt: off
+SCAN_DTYPES: frozenset[str] = frozenset((
+    "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16", "float32", "float64",
+    "bfloat16",
+))
 # fmt: on
 
 #: Everything else a saved Relax program is made of: containers, the module, Relax functions,
@@ -835,6 +852,30 @@ class _Graph:
             self._function_table(i, data)
         elif kind == "ir.TupleGetItem" and data["index"] < 0:
             raise InputError(f"node {i} (ir.TupleGetItem) has a negative index", node=i)
+        elif kind == "relax.attrs.ScanopAttrs":
+            self._scan_attrs(i, data)
+
+    def _scan_attrs(self, i: int, data: dict[str, Any]) -> None:
+        """A scan's axis within any tensor's rank and its result dtype one TVM builds. The
+        axis against the input's own rank and the input's dtype: worker.ingest.check_ir."""
+        axis = data["axis"]
+        rank = self.settings.max_tensor_rank
+        if self.types[axis] == "int" and not -rank <= self.data[axis] < rank:
+            raise InputError(
+                f"node {i} (relax.attrs.ScanopAttrs): axis {self.data[axis]} is out of range "
+                f"for a tensor of at most {rank} dims (setting max_tensor_rank)",
+                node=i,
+                field="axis",
+            )
+        dtype = data["dtype"]
+        if self.types[dtype] == "DataType" and self.data[dtype] not in SCAN_DTYPES:
+            raise ForbiddenConstruct(
+                f"node {i} (relax.attrs.ScanopAttrs): a scan (cumsum, cumprod) with result dtype "
+                f"{show(self.data[dtype])} is not accepted: TVM does not build it for every "
+                f"target; use one of {', '.join(sorted(SCAN_DTYPES))}",
+                node=i,
+                field="dtype",
+            )
 
     def _call_attrs(self, i: int, data: dict[str, Any]) -> None:
         """TVM's type inference casts a call's attrs to the operator's attrs type unchecked."""

@@ -220,7 +220,8 @@ def _name_symbolic_dims(func: Any, num_input: int, bounds: dict[str, int]) -> An
 
 #: input-free values larger than this stay computed where the service accepts the operator that
 #: computes them (their smaller inputs are folded instead); a value computed by an operator the
-#: service refuses (``cumsum`` of packed-sequence positions) is folded at any size
+#: service refuses, or by a scan (``cumsum`` of packed-sequence positions: the service takes a
+#: scan only over a known shape, and exporters' types are often shapeless), is folded at any size
 FOLD_MAX_BYTES = 16 * 1024 * 1024
 #: input-free attention biases up to this size are evaluated to see whether they are causal or
 #: all-true masks ([B, 1, S, S]: 256 MiB is float16 at B32 S2048)
@@ -531,7 +532,7 @@ def _fold_input_free(mod: Any, bounds: Mapping[str, int]) -> tuple[Any, _Fold]:
     tvm = import_tvm()
     from tvm import relax
 
-    from service.wire import ALLOWED_OPS
+    from service.wire import ALLOWED_OPS, SCAN_OPS
 
     @relax.expr_functor.mutator
     class _StaticShapeOf(relax.PyExprMutator):
@@ -598,7 +599,7 @@ def _fold_input_free(mod: Any, bounds: Mapping[str, int]) -> tuple[Any, _Fold]:
     stay: set[Any] = set()
     at_bounds: dict[Any, np.ndarray] = {}
     while True:
-        frontier, _kept = _frontier(order, used_outside, ALLOWED_OPS, bounds, stay)
+        frontier, _kept = _frontier(order, used_outside, ALLOWED_OPS - SCAN_OPS, bounds, stay)
         todo = [v for v in frontier if v not in at_bounds]
         if not todo:
             break

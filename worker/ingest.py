@@ -256,6 +256,8 @@ class _IRWalker:
         op = call.op
         if isinstance(op, self.tvm.ir.Op):
             self._op(op)
+            if op.name in wire.SCAN_OPS:
+                self._scan(call)
         elif isinstance(op, self.relax.GlobalVar):
             if op.name_hint not in self.functions:
                 raise ForbiddenConstruct(
@@ -277,6 +279,42 @@ class _IRWalker:
                 "Stackfuse does not accept",
                 function=self.name[:80],
                 operator=str(op.name)[:80],
+            )
+
+    def _scan(self, call: Any) -> None:
+        """cumsum/cumprod: one tensor of known shape and dtype (TVM lowers a scan only over a
+        shape it knows), the axis within its rank, a result dtype TVM builds a scan in (the
+        input is cast to it first, so any input dtype builds)."""
+        what = f"function {wire.show(self.name)}: {str(call.op.name).removeprefix('relax.')}"
+        ty = call.args[0].ty if len(call.args) == 1 else None
+        if (
+            not isinstance(ty, self.relax.TensorType)
+            or not isinstance(ty.shape, self.relax.ShapeExpr)
+            or str(ty.dtype) == "void"
+        ):
+            raise ForbiddenConstruct(
+                f"{what} needs one tensor of known shape and dtype (symbolic dims are fine): "
+                "TVM builds a scan only over a shape it knows",
+                function=self.name[:80],
+                operator=str(call.op.name),
+            )
+        ndim = len(ty.shape.values)
+        axis = call.attrs.axis
+        if axis is not None and not -ndim <= int(axis) < ndim:
+            raise InputError(
+                f"{what} along axis {int(axis)}: out of range for a tensor of {ndim} dims",
+                function=self.name[:80],
+                axis=int(axis),
+            )
+        want = str(call.attrs.dtype) if call.attrs.dtype is not None else str(ty.dtype)
+        if want not in wire.SCAN_DTYPES:
+            given = "" if call.attrs.dtype is not None else " (the input's; set dtype=)"
+            raise ForbiddenConstruct(
+                f"{what} with result dtype {wire.show(want)}{given} is not accepted: TVM does "
+                f"not build it for every target; use one of {', '.join(sorted(wire.SCAN_DTYPES))}",
+                function=self.name[:80],
+                operator=str(call.op.name),
+                dtype=want[:40],
             )
 
     def _var(self, var: Any) -> None:

@@ -130,6 +130,62 @@ def biased_attention() -> Any:
     return bb.get()
 
 
+def ragged_attention() -> Any:
+    """A ragged batch as serving platforms pack it: stacked QKV ``[1, T, 3NH]`` of every
+    sequence's tokens and the sequences' ``lengths``; ``seqstart`` is ``[0] + cumsum(lengths)``,
+    then ``R.nn.attention_var_len`` (causal BottomRight)."""
+    tvm()
+    from tvm import relax
+
+    op = relax.op
+    bb = relax.BlockBuilder()
+    qkv = relax.Var("qkv", relax.TensorType([1, 16, 3 * 4 * 8], "float16"))
+    lengths = relax.Var("lengths", relax.TensorType([3], "int32"))
+    with bb.function("main", [qkv, lengths]):
+        with bb.dataflow():
+            ends = bb.emit(op.cumsum(lengths, axis=0))
+            start = bb.emit(op.concat([op.zeros(relax.ShapeExpr([1]), "int32"), ends], axis=0))
+            longest = bb.emit(op.max(lengths))
+            parts = bb.emit(op.split(qkv, 3, axis=2))
+            q, k, v = (
+                bb.emit(op.reshape(relax.TupleGetItem(parts, i), [1, 16, 4, 8])) for i in range(3)
+            )
+            out = bb.emit(
+                op.nn.attention_var_len(q, k, v, start, longest, causal_mask="BottomRight")
+            )
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def scan(
+    op: str = "cumsum",
+    axis: int | None = 0,
+    dtype: str | None = None,
+    in_dtype: str = "int32",
+    shape: tuple[int, ...] | None = (3,),
+    exclusive: bool = False,
+) -> Any:
+    """``op(x, axis, dtype)`` of one tensor (``shape`` None: a rank-1 tensor of unknown shape),
+    built by TVM, whose type inference takes any axis and result dtype."""
+    tvm()
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    ty = (
+        relax.TensorType(None, in_dtype, ndim=1)
+        if shape is None
+        else relax.TensorType(list(shape), in_dtype)
+    )
+    x = relax.Var("x", ty)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(getattr(relax.op, op)(x, axis=axis, dtype=dtype, exclusive=exclusive))
+            gv = bb.emit_output(y)
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
 SCRIPT_MODULE = """
 @I.ir_module
 class Module:
@@ -176,6 +232,7 @@ SAMPLES: dict[str, Callable[[], Any]] = {
     "decomposed_attention": decomposed_attention,
     "biased_attention": biased_attention,
     "script_module": script_module,
+    "ragged_attention": ragged_attention,
 }
 
 

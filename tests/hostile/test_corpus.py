@@ -342,6 +342,32 @@ SCRIPT_CASES = [
         "max_script_bytes",
         {"max_script_bytes": 1024},
     ),
+    Case(
+        "script-scan-axis-past-rank",
+        "tvmscript",
+        lambda s: _script(value="R.cumsum(x, axis=2)"),
+        InputError,
+        "ingest",
+        "cumsum along axis 2: out of range for a tensor of 2 dims",
+    ),
+    Case(
+        "script-scan-axis-int64-max",
+        "tvmscript",
+        lambda s: _script(value="R.cumsum(x, axis=9223372036854775807)"),
+        InputError,
+        "ingest",
+        "axis 9223372036854775807 is out of range",
+    ),
+    Case(
+        "script-scan-bool-result",
+        "tvmscript",
+        lambda s: _script(
+            value='R.cumsum(x, axis=0, dtype="bool")', ret='R.Tensor((4, 8), "bool")'
+        ),
+        ForbiddenConstruct,
+        "ingest",
+        "result dtype 'bool'",
+    ),
 ]
 
 
@@ -748,7 +774,163 @@ JSON_CASES = [
     ),
 ]
 
-CASES = SCRIPT_CASES + JSON_CASES
+
+def _scan_json(**kw: Any) -> Callable[[Path], str]:
+    return lambda s: str(hk.tvm().ir.save_json(hk.scan(**kw)))
+
+
+def _scan_attrs(edit: Callable[[dict[str, Any], dict[str, Any]], Any]) -> Callable[[Path], str]:
+    """The scan sample's JSON with ``edit(doc, attrs_data)`` applied to its ScanopAttrs."""
+
+    def build(s: Path) -> str:
+        doc = json.loads(hk.tvm().ir.save_json(hk.scan()))
+        edit(doc, doc["nodes"][hk.find(doc, "relax.attrs.ScanopAttrs")]["data"])
+        return json.dumps(doc, separators=(",", ":"))
+
+    return build
+
+
+#: cumsum/cumprod: attrs TVM's inference takes but its build does not (or crashes on)
+SCAN_CASES = [
+    Case(
+        "json-scan-axis-int64-max",
+        "tvm-json",
+        _scan_json(axis=2**63 - 1),
+        InputError,
+        "wire",
+        "axis 9223372036854775807 is out of range for a tensor of at most 8 dims",
+    ),
+    Case(
+        "json-scan-axis-int64-min",
+        "tvm-json",
+        _scan_json(axis=-(2**63)),
+        InputError,
+        "wire",
+        "out of range",
+    ),
+    Case(
+        "json-scan-axis-past-the-tensors-rank",
+        "tvm-json",
+        _scan_json(axis=1),
+        InputError,
+        "ingest",
+        "cumsum along axis 1: out of range for a tensor of 1 dims",
+    ),
+    Case(
+        "json-scan-negative-axis-past-the-tensors-rank",
+        "tvm-json",
+        _scan_json(op="cumprod", axis=-2),
+        InputError,
+        "ingest",
+        "cumprod along axis -2",
+    ),
+    Case(
+        "json-scan-axis-a-string",
+        "tvm-json",
+        _scan_attrs(lambda doc, a: a.update(axis=hk.find(doc, "ffi.String"))),
+        InputError,
+        "wire",
+        "field 'axis' must be int | None",
+    ),
+    Case(
+        "json-scan-axis-a-float",
+        "tvm-json",
+        _scan_attrs(lambda doc, a: doc["nodes"][a["axis"]].update(type="float", data=0.5)),
+        InputError,
+        "wire",
+        "field 'axis' must be int | None",
+    ),
+    Case(
+        "json-scan-exclusive-not-a-bool",
+        "tvm-json",
+        _scan_attrs(lambda doc, a: a.update(exclusive=1)),
+        InputError,
+        "wire",
+        "exclusive must be a JSON bool",
+    ),
+    Case(
+        "json-scan-unknown-attribute",
+        "tvm-json",
+        _scan_attrs(lambda doc, a: a.update(reverse=True)),
+        InputError,
+        "wire",
+        "has no field 'reverse'",
+    ),
+    Case(
+        "json-scan-attrs-given-to-sum",
+        "tvm-json",
+        lambda s: hk.tvm().ir.save_json(hk.scan()).replace('"relax.cumsum"', '"relax.sum"'),
+        InputError,
+        "wire",
+        "needs attrs relax.attrs.StatisticalAttrs, not relax.attrs.ScanopAttrs",
+    ),
+    Case(
+        "json-scan-given-split-attrs",
+        "tvm-json",
+        lambda s: hk.saved("stacked_attention").replace('"relax.split"', '"relax.cumsum"'),
+        InputError,
+        "wire",
+        "needs attrs relax.attrs.ScanopAttrs",
+    ),
+    Case(
+        "json-scan-bool-result",
+        "tvm-json",
+        _scan_json(dtype="bool"),
+        ForbiddenConstruct,
+        "wire",
+        "result dtype 'bool' is not accepted",
+    ),
+    Case(
+        "json-scan-int8-result",
+        "tvm-json",
+        _scan_json(dtype="int8"),
+        ForbiddenConstruct,
+        "wire",
+        "result dtype 'int8'",
+    ),
+    Case(
+        "json-scan-float8-result",
+        "tvm-json",
+        _scan_json(in_dtype="float32", dtype="float8_e4m3fn"),
+        ForbiddenConstruct,
+        "wire",
+        "result dtype 'float8_e4m3fn'",
+    ),
+    Case(
+        "json-scan-void-result",
+        "tvm-json",
+        _scan_json(dtype="void"),
+        InputError,
+        "wire",
+        "unsupported dtype ''",
+    ),
+    Case(
+        "json-scan-bool-input-no-dtype",
+        "tvm-json",
+        _scan_json(in_dtype="bool"),
+        ForbiddenConstruct,
+        "ingest",
+        "result dtype 'bool' (the input's; set dtype=)",
+    ),
+    Case(
+        "json-cumprod-uint8-input-no-dtype",
+        "tvm-json",
+        _scan_json(op="cumprod", in_dtype="uint8"),
+        ForbiddenConstruct,
+        "ingest",
+        "cumprod with result dtype 'uint8'",
+    ),
+    Case(
+        "json-scan-of-unknown-shape",
+        "tvm-json",
+        _scan_json(shape=None),
+        ForbiddenConstruct,
+        "ingest",
+        "needs one tensor of known shape and dtype",
+    ),
+]
+
+CASES = SCRIPT_CASES + JSON_CASES + SCAN_CASES
 
 
 def _stop(case: Case, payload: str | bytes, settings: Any) -> Callable[[], object]:

@@ -205,6 +205,9 @@ _FRAGMENTS = [
     "-1",
     "2**64",
     "R.call_packed",
+    "R.cumsum(x, axis=-9)",
+    'R.cumprod(x, axis=0, dtype="bool")',
+    "R.cumsum(x, axis=None, exclusive=True)",
     "**x",
     "*x",
 ]

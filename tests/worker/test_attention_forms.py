@@ -405,8 +405,8 @@ def test_sliding_window_becomes_a_mask_tvm_builds(
 ) -> None:
     """Upstream's test_sliding_window (1 x 64 x 16 x 8, window 8, BottomRight) and two more:
     TopLeft with a symbolic length, and fewer queries than keys."""
-    lengths = (None, None) if symbolic else (s, skv)
-    out, rewrites = normalize(window_module(*lengths, causal, 8), OPTS, "sm_90")
+    sq, sk = (None, None) if symbolic else (s, skv)
+    out, rewrites = normalize(window_module(sq, sk, causal, 8), OPTS, "sm_90")
     rw = _rewrite(rewrites, "sliding_window")
     assert f"window_size=8 ({causal})" in rw.message
     assert rw.where is not None and rw.where.site == "main/attention#0"
@@ -414,7 +414,7 @@ def test_sliding_window_becomes_a_mask_tvm_builds(
     m = _fused(result, "plain", True)
     assert m.causal == causal
     assert not any(f.check == "causal_mode" for f in result.failures)
-    out, _ = normalize(window_module(*lengths, causal, 8, n=4), OPTS, "sm_90")
+    out, _ = normalize(window_module(sq, sk, causal, 8, n=4), OPTS, "sm_90")
     q, k, v = (_rnd((1, n, 4, 8), "float16", seed=i) for i, n in enumerate((s, skv, skv)))
     np.testing.assert_allclose(
         _run(out, [q, k, v]), _reference(q, k, v, causal, 8), rtol=1e-2, atol=1e-2
@@ -499,9 +499,104 @@ def test_var_len_becomes_one_masked_attention(
     start = np.concatenate([[0], np.cumsum(lens)]).astype("int32")
     got = _run(out, [*packed, start, np.array(max(lens), "int32")])
     want = np.vstack(
-        [_reference(*seq, "BottomRight", window).reshape(len(seq[0][0]), -1) for seq in seqs]
+        [
+            _reference(seq[0], seq[1], seq[2], "BottomRight", window).reshape(len(seq[0][0]), -1)
+            for seq in seqs
+        ]
     )
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+# --- ragged batches as serving platforms send them: seqstart computed by R.cumsum ---------------
+RAGGED_N, RAGGED_H = 4, 16
+
+
+def ragged_module(window: int | None) -> Any:
+    """Packed stacked QKV ``[1, T, 3NH]`` of every sequence's tokens and the sequences'
+    ``lengths`` (int32 ``[B]``, both dims symbolic); ``seqstart = concat([0], cumsum(lengths))``,
+    ``max_seqlen = max(lengths)``, then ``attention_var_len`` BottomRight."""
+    n, h = RAGGED_N, RAGGED_H
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        t, b = tvm.tirx.Var("tokens", "int64"), tvm.tirx.Var("batch", "int64")
+        qkv = R.arg("qkv", R.Tensor((1, t, 3 * n * h), "float16"))
+        lengths = R.arg("lengths", R.Tensor((b,), "int32"))
+        with R.dataflow() as frame:
+            ends = R.emit(R.cumsum(lengths, axis=0))
+            start = R.emit(R.concat((R.zeros(R.shape([1]), "int32"), ends), axis=0))
+            longest = R.emit(R.max(lengths))
+            parts = R.emit(R.split(qkv, 3, axis=2))
+            q, k, v = (R.emit(R.reshape(parts[i], R.shape([1, t, n, h]))) for i in range(3))
+            o = R.emit(
+                R.nn.attention_var_len(
+                    q, k, v, start, longest, causal_mask="BottomRight", window_size=window
+                )
+            )
+            o = R.emit(R.reshape(o, R.shape([1, t, n * h])))
+            R.output(o)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+#: the same module as a client writes it in TVMScript (window None)
+RAGGED_SCRIPT = """
+@I.ir_module
+class Module:
+    @R.function
+    def main(
+        qkv: R.Tensor((1, "tokens", 192), "float16"), lengths: R.Tensor(("batch",), "int32")
+    ) -> R.Tensor((1, "tokens", 64), "float16"):
+        tokens = T.int64()
+        with R.dataflow():
+            ends = R.cumsum(lengths, axis=0)
+            seqstart = R.concat((R.zeros(R.shape([1]), "int32"), ends), axis=0)
+            longest = R.max(lengths)
+            parts = R.split(qkv, 3, axis=2)
+            q = R.reshape(parts[0], R.shape([1, tokens, 4, 16]))
+            k = R.reshape(parts[1], R.shape([1, tokens, 4, 16]))
+            v = R.reshape(parts[2], R.shape([1, tokens, 4, 16]))
+            o = R.nn.attention_var_len(q, k, v, seqstart, longest, causal_mask="BottomRight")
+            out = R.reshape(o, R.shape([1, tokens, 64]))
+            R.output(out)
+        return out
+"""
+
+
+@pytest.mark.parametrize(
+    ("lens", "window"), [([5, 3, 8], None), ([6, 10, 16], 4)], ids=["causal", "window"]
+)
+def test_a_ragged_batch_with_seqstart_from_cumsum_runs_as_masked_attention(
+    lens: list[int], window: int | None
+) -> None:
+    """Ingest (the service's checks) -> normalize (``var_len``) -> partition on sm_90 and
+    sm_80 -> LLVM build, against softmax attention of each sequence over its own tokens."""
+    from worker import selection
+    from worker.ingest import load_module
+
+    n, h = RAGGED_N, RAGGED_H
+    mod = load_module(to_json(ragged_module(window)), "tvm-json", Settings())
+    out, rewrites = normalize(mod, OPTS, "sm_90")
+    rw = _rewrite(rewrites, "var_len")
+    assert rw.where is not None and rw.where.site == "main/attention#0"
+    assert "block-diagonal mask computed from seqstart" in rw.message
+    assert (f"window_size={window}" in rw.message) == (window is not None)
+    ops = _ops(out)
+    assert "relax.nn.attention_var_len" not in ops and "relax.cumsum" in ops  # TVM runs the scan
+    # one stacked site with the mask as its bias; the Hopper kernel takes no bias
+    for arch, why in (("sm_90", "an additive bias is present"), ("sm_80", "is not sm_90")):
+        result = partition(out, OPTS, arch)
+        m = _fused(result, "stacked", True)
+        assert (m.pattern, m.causal) == ("cutlass.stacked_attention.split_bias", "TopLeft")
+        (ff,) = result.functions
+        ks, reason = selection.select_kernel(ff.analysis.spec, arch, OPTS.kernel)  # type: ignore[arg-type]
+        assert ks.family == "cutlass_fmha_sm80" and why in reason, reason
+    seqs = [_rnd((1, s, 3 * n * h), "float16", seed=i) for i, s in enumerate(lens)]
+    got = _run(out, [np.concatenate(seqs, axis=1), np.array(lens, "int32")])
+    want = []
+    for seq in seqs:
+        q, k, v = (seq[..., j * n * h : (j + 1) * n * h].reshape(1, -1, n, h) for j in range(3))
+        want.append(_reference(q, k, v, "BottomRight", window).reshape(1, -1, n * h))
+    np.testing.assert_allclose(got, np.concatenate(want, axis=1), rtol=1e-2, atol=1e-2)
 
 
 # --- through the pipeline: refused before codegen, or rewritten and fused ------------------------
@@ -554,3 +649,34 @@ def test_the_rewritten_site_is_fused_by_the_pipeline(what: str, tmp_path: Path) 
     assert not [f for f in doc["check_failures"] if f["pattern"] == "tvm.legalize"]
     (m,) = doc["matches"]
     assert (m["bias"], m["causal"]) == (True, causal)
+
+
+@pytest.mark.parametrize("fmt", ["tvm-json", "tvmscript"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_a_ragged_batch_is_fused_by_the_pipeline(arch: str, fmt: str, tmp_path: Path) -> None:
+    """The report of a ragged batch whose seqstart is ``R.cumsum`` of its lengths, sent as
+    TVM JSON or TVMScript: the site rewritten (``var_len``) and fused stacked with its mask."""
+    payload = to_json(ragged_module(None)) if fmt == "tvm-json" else RAGGED_SCRIPT
+    settings = Settings(data_dir=tmp_path / "d", kernel_cache_dir=tmp_path / "k", nvcc_timeout_s=0)
+    with pytest.raises(TimeLimitExceeded):  # nvcc had no time: the job got to codegen
+        compile_module(
+            payload,
+            target=Target.model_validate({"arch": arch}),
+            options=CompileOptions(validate_on_gpu="never"),
+            out_dir=tmp_path / "out",
+            settings=settings,
+            fmt=fmt,
+        )
+    doc = _report(tmp_path)
+    assert [r["rewrite"] for r in doc["normalizations"]] == ["var_len"]
+    assert doc["summary"]["fused_stacked"] == 1 and doc["summary"]["not_offloaded"] == 0
+    assert not doc["check_failures"] and not doc["site_reasons"]
+    (m,) = doc["matches"]
+    assert (m["pattern"], m["bias"], m["causal"]) == (
+        "cutlass.stacked_attention.split_bias",
+        True,
+        "TopLeft",
+    )
+    assert m["shapes"]["bias"] == [1, 1, "tokens", "tokens"]  # the tokens x tokens mask
+    (site,) = doc["sites"]
+    assert site["offloaded"] and site["verdict"].startswith("Fused stacked-QKV attention")

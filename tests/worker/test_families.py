@@ -279,6 +279,18 @@ def test_gpt_bigcode_float16_before_sm90(arch: str) -> None:
         assert select_kernel(ff.analysis.spec, arch)[1].startswith("SM80-class")
 
 
+def test_a_padded_bloom_passes_the_service_checks() -> None:
+    """Its ALiBi positions are a cumsum of the padding mask, computed in the graph (int64):
+    the service's ingest takes the scan."""
+    from service.settings import Settings
+    from worker.ingest import load_module
+
+    _, _, imported = _imported(FAMILIES["bloom_padded"], "float16")
+    text = tvm.ir.save_json(imported.mod)
+    assert '"relax.cumsum"' in text
+    load_module(text, "tvm-json", Settings())
+
+
 def _run_cpu(model: Any, inputs: Any, imported: Any, mod: Any) -> None:
     import torch
     from tvm import relax

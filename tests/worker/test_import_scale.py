@@ -1,6 +1,6 @@
-"""Imports at real sizes fit the service: constant masks are never stored, input-free chains the
-service refuses (``cumsum``) are folded at any size, and a module over the body limit is
-explained by its largest constants.
+"""Imports at real sizes fit the service: constant masks are never stored, input-free chains of
+scans (``cumsum``) are folded at any size, and a module over the body limit is explained by its
+largest constants.
 
 Mask and position constants grow with batch and sequence, not with layers, so the size tests
 use real widths and real shapes with two layers.
@@ -106,7 +106,8 @@ def test_a_constant_causal_mask_becomes_the_causal_flag_and_is_not_stored() -> N
 
 def test_a_large_cumsum_chain_is_folded_whatever_its_size(monkeypatch: Any) -> None:
     """The packed-sequence check of transformers' masks: ``cumsum`` over positions, then a
-    large value. The service refuses ``cumsum``, so it is folded even above the size cut."""
+    large value. The service takes a scan only over a known shape, so it is folded even above
+    the size cut."""
     import worker.importers as importers
 
     monkeypatch.setattr(importers, "FOLD_MAX_BYTES", 64)  # every value here is "large"
