@@ -289,6 +289,25 @@ static int call(LaunchFn fn, const void* a, const void* b, const void* c, const 
 # --------------------------------------------------------------------------------------------
 # run (GPU)
 # --------------------------------------------------------------------------------------------
+def _launch_args(
+    a: Any, w: Any, c: Any, bias: Any, d: Any, mnk: tuple[int, int, int], swizzle: int,
+    stream: int,
+) -> tuple[Any, ...]:  # fmt: skip
+    """The ``bench_<symbol>`` arguments (``kernels/gemm_api.h``'s Problem, flattened): C (a
+    residual; beta 1) and the bias may be absent."""
+    return (
+        ctypes.c_void_p(a.data_ptr()),
+        ctypes.c_void_p(w.data_ptr()),
+        ctypes.c_void_p(c.data_ptr() if c is not None else 0),
+        ctypes.c_void_p(bias.data_ptr() if bias is not None else 0),
+        ctypes.c_void_p(d.data_ptr()),
+        *mnk,
+        ctypes.c_float(1.0 if c is not None else 0.0),
+        swizzle,
+        ctypes.c_void_p(stream),
+    )
+
+
 def _time_config(
     fn: Any, args: tuple[Any, ...], d: Any, ref: Any, t_peer: float, flops: int, torch: Any,
     rounds: int,
@@ -474,19 +493,10 @@ def run(
                         ):
                             continue
                         fn = getattr(lib, f"bench_{c['symbol']}")
-                        args = (
-                            ctypes.c_void_p(a.data_ptr()),
-                            ctypes.c_void_p(w.data_ptr()),
-                            ctypes.c_void_p(res.data_ptr() if use_res else 0),
-                            ctypes.c_void_p(bias.data_ptr() if use_bias else 0),
-                            ctypes.c_void_p(d.data_ptr()),
-                            m,
-                            n,
-                            k,
-                            ctypes.c_float(1.0 if use_res else 0.0),
-                            c["swizzle"],
-                            ctypes.c_void_p(stream),
-                        )
+                        args = _launch_args(
+                            a, w, res if use_res else None, bias if use_bias else None, d,
+                            (m, n, k), c["swizzle"], stream,
+                        )  # fmt: skip
                         row["ours"][c["tile"]] = _time_config(
                             fn, args, d, ref, t_peer, 2 * m * n * k, torch, rounds
                         )
@@ -595,19 +605,7 @@ def _swiglu_rows(
             ):
                 continue
             fn = getattr(lib, f"bench_{c['symbol']}")
-            args = (
-                ctypes.c_void_p(a.data_ptr()),
-                ctypes.c_void_p(wgu.data_ptr()),
-                ctypes.c_void_p(0),
-                ctypes.c_void_p(0),
-                ctypes.c_void_p(d.data_ptr()),
-                m,
-                n,
-                k,
-                ctypes.c_float(0.0),
-                c["swizzle"],
-                ctypes.c_void_p(stream),
-            )
+            args = _launch_args(a, wgu, None, None, d, (m, n, k), c["swizzle"], stream)
             row["ours"][c["tile"]] = _time_config(
                 fn, args, d, ref, t_peer, 2 * m * n * k, torch, rounds
             )

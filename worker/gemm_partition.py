@@ -104,6 +104,19 @@ def _gate_chain(ann: dict[str, DFPattern], reshape: bool, cast: bool) -> DFPatte
     return y
 
 
+def _matmul_head(ann: dict[str, DFPattern], transposed: bool, cast: bool) -> DFPattern:
+    """``A @ (W | permute_dims(W)) -> [astype]``, its parts named in ``ann``: every GEMM
+    pattern's head."""
+    ann["a"] = wildcard()
+    b = ann["weight"] = wildcard()
+    if transposed:
+        b = ann["permute"] = is_op("relax.permute_dims")(b)
+    x = ann["matmul"] = is_op("relax.matmul")(ann["a"], b)
+    if cast:
+        x = ann["cast"] = is_op("relax.astype")(x)
+    return x
+
+
 def _make(
     transposed: bool,
     cast: bool,
@@ -115,13 +128,8 @@ def _make(
 ) -> GemmPatternDef:
     """One pattern; ``gate`` = (the gate is reshaped, the SiLU sits between casts) makes it a
     gated unit (no bias, activation or residual then)."""
-    ann: dict[str, DFPattern] = {"a": wildcard(), "weight": wildcard()}
-    b = ann["weight"]
-    if transposed:
-        b = ann["permute"] = is_op("relax.permute_dims")(b)
-    x = ann["matmul"] = is_op("relax.matmul")(ann["a"], b)
-    if cast:
-        x = ann["cast"] = is_op("relax.astype")(x)
+    ann: dict[str, DFPattern] = {}
+    x = _matmul_head(ann, transposed, cast)
     if bias:
         ann["bias"] = wildcard()
         x = ann["bias_add"] = is_op("relax.add")(x, ann["bias"])
@@ -168,13 +176,8 @@ def _make(
 def _make_paired(transposed: bool, cast: bool, gate_cast: bool) -> GemmPatternDef:
     """``reshape(silu(slice(y4, 0:1)) * slice(y4, 1:2), [..., I])``, ``y4`` the GEMM's output
     reshaped to ``[..., I/8, 2, 8]``: the form normalize's ``combine_gate_up`` writes."""
-    ann: dict[str, DFPattern] = {"a": wildcard(), "weight": wildcard()}
-    b = ann["weight"]
-    if transposed:
-        b = ann["permute"] = is_op("relax.permute_dims")(b)
-    x = ann["matmul"] = is_op("relax.matmul")(ann["a"], b)
-    if cast:
-        x = ann["cast"] = is_op("relax.astype")(x)
+    ann: dict[str, DFPattern] = {}
+    x = _matmul_head(ann, transposed, cast)
     y4 = ann["pair_reshape"] = is_op("relax.reshape")(x, wildcard())
     g = ann["pair_gate"] = is_op("relax.strided_slice")(y4, varg_default_wildcard=True)
     u = ann["pair_up"] = is_op("relax.strided_slice")(y4, varg_default_wildcard=True)
