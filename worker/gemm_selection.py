@@ -51,16 +51,16 @@ EPILOGUE_PICKS: dict[tuple[str, str, str], tuple[str, str]] = {
 
 
 #: rows band -> (tile name, why) for a paired SwiGLU (gate and up projections as one GEMM of
-#: N = 2I). Not measured yet: the H200 rows (benchmarks/gemm_bench.py's llama_gate_up, against
-#: cuBLAS's one GEMM on concatenated weights + silu * up, and its two GEMMs) are pending. The
-#: pick is by wave count on 132 SMs: Llama-style 2048 x 11264 x 2048 is 16 x 88 = 1408 tiles of
-#: 128x128, 10.7 waves (97% of the last full), against 704 of 128x256 (5.3 waves, 89%) or 944
-#: of 128x192 (7.2 waves, 89%); and the ping-pong kernel runs one warp group's epilogue (a
-#: register-to-global store, no TMA) while the other's mainloop runs.
+#: N = 2I). Llama-style 2048 x 11264 x 2048 is 1408 tiles of 128x128, 10.7 waves on 132 SMs (97%
+#: of the last full), against 704 of 128x256 or 944 of 128x192 (89%); and the ping-pong kernel
+#: runs one warp group's epilogue (a register-to-global store) while the other's mainloop runs.
+#: Measured on an H100 (benchmarks/results/gemm_bench_glu.md): 600/570 TFLOP/s, where
+#: coop_128x256 and pingpong_128x192 reach 545-563. Only that medium-M row is measured; the other
+#: bands take the same tile.
 PAIRED_PICKS: dict[str, tuple[str, str]] = {
-    "small": ("pingpong_128x128_c1x2", "pending: llama_gate_up"),
-    "medium": ("pingpong_128x128_c1x2", "pending: llama_gate_up"),
-    "large": ("pingpong_128x128_c1x2", "pending: llama_gate_up"),
+    "small": ("pingpong_128x128_c1x2", "no row; as medium"),
+    "medium": ("pingpong_128x128_c1x2", "llama_gate_up"),
+    "large": ("pingpong_128x128_c1x2", "no row; as medium"),
 }
 
 
@@ -78,8 +78,8 @@ def pick(spec: GemmSpec) -> tuple[str, str]:
     if spec.paired_glu:
         name, why = PAIRED_PICKS[rows]
         return name, (
-            f"the paired SwiGLU's pick for {rows} M, by wave count on 132 SMs; its H200 "
-            f"measurement ({why.removeprefix('pending: ')}) is pending"
+            f"the paired SwiGLU's pick for {rows} M "
+            f"(H100, benchmarks/results/gemm_bench_glu.md: {why})"
         )
     by_epilogue = EPILOGUE_PICKS.get((spec.activation, rows, depth))
     if by_epilogue is not None:

@@ -10,31 +10,19 @@ the source.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from worker.gemm import ACTIVATIONS, ELEMENT_BYTES, SWIGLU, GemmSpec, weight_spec
 from worker.kernel_source import KernelSource
+from worker.nvcc import headers_digest
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 #: the paired SwiGLU's headers (its epilogue, its glue). Apart from KERNELS_DIR, whose digest
 #: keys every cached object: only the paired configuration and its glue include these, and
-#: their generated source carries this directory's digest (:func:`glu_headers_digest`)
+#: their generated source carries this directory's digest (``worker.nvcc.headers_digest``)
 GLU_KERNELS_DIR = Path(__file__).resolve().parent / "kernels_glu"
-
-
-@functools.cache
-def glu_headers_digest() -> str:
-    """sha256 over GLU_KERNELS_DIR's files (as worker.nvcc.headers_digest over KERNELS_DIR):
-    written into the paired units' source, so an edit to these headers rebuilds them alone."""
-    h = hashlib.sha256()
-    for p in sorted(q for q in GLU_KERNELS_DIR.rglob("*") if q.is_file()):
-        h.update(
-            p.relative_to(GLU_KERNELS_DIR).as_posix().encode() + b"\0" + p.read_bytes() + b"\0"
-        )
-    return h.hexdigest()
 
 
 _DL_CODE = {"float16": 2, "bfloat16": 4, "float32": 2}  # kDLFloat, kDLBfloat
@@ -91,7 +79,7 @@ def render_site(
     include, run = "gemm_tvm.cuh", "run_site"
     flags: tuple[str, ...] = (gencode, f"-I{KERNELS_DIR}")
     if spec.paired_glu:  # the output is [..., N / 2]: gemm_tvm_glu.cuh checks it
-        header += f"\n// {GLU_KERNELS_DIR.name} sha256 {glu_headers_digest()}"
+        header += f"\n// {GLU_KERNELS_DIR.name} sha256 {headers_digest(GLU_KERNELS_DIR)}"
         include, run = "gemm_tvm_glu.cuh", "run_paired_site"
         flags = (*flags, f"-I{GLU_KERNELS_DIR}")
     source = f"""{header}

@@ -25,11 +25,11 @@ from worker.gemm_sites import (  # noqa: F401 (EPILOGUE_VARIANTS, SILU_GATE: re-
     EPILOGUE_VARIANTS,
     GLU_KERNELS_DIR,
     SILU_GATE,
-    glu_headers_digest,
     variant_configs,
     variant_spec,
 )
 from worker.kernel_source import KernelSource
+from worker.nvcc import headers_digest
 
 FAMILY = "cutlass_gemm_sm90"
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
@@ -151,7 +151,7 @@ def render_config(spec: GemmSpec, tile: Tile) -> KernelSource:
     )
     include, dirs = "gemm_sm90.cuh", include_dirs()
     if spec.paired_glu:  # its epilogue is in a header of its own, keyed here by its digest
-        header += f"\n// {GLU_KERNELS_DIR.name} sha256 {glu_headers_digest()}"
+        header += f"\n// {GLU_KERNELS_DIR.name} sha256 {headers_digest(GLU_KERNELS_DIR)}"
         include, dirs = "gemm_sm90_glu.cuh", [GLU_KERNELS_DIR, *dirs]
     source = f"""{header}
 #include "{include}"

@@ -483,7 +483,7 @@ def test_swiglu_becomes_one_paired_gemm_on_hopper(
     assert spec.operand_shapes[spec.b] == ((96, 32) if transposed else (32, 96))
     ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
     assert "silu(gate) * up, gate and up projections as one GEMM" in reason
-    assert "columns paired in registers" in reason and "pending" in reason
+    assert "columns paired in registers" in reason and "gemm_bench_glu.md" in reason
     assert '#include "gemm_tvm_glu.cuh"' in ks.source and "run_paired_site(" in ks.source
     assert "/*n=*/96, /*k=*/32" in ks.source and "/*out_shape=*/{1, 64, 48," in ks.source
     (cfg,) = ks.needs
@@ -671,7 +671,7 @@ def test_glue_carries_the_sites_numbers_and_names_its_configuration() -> None:
 
 
 def test_every_shape_class_has_a_tile_that_exists_and_names_measured_rows() -> None:
-    from benchmarks.gemm_bench import GRID_SHAPES, MODEL_SHAPES
+    from benchmarks.gemm_bench import GLU_SHAPES, GRID_SHAPES, MODEL_SHAPES
 
     shapes = {name: (m, n, k) for name, m, n, k in MODEL_SHAPES + GRID_SHAPES}
     bands = [(r, n, k) for r in ("small", "medium", "large") for n in ("narrow", "mid", "wide")
@@ -690,6 +690,16 @@ def test_every_shape_class_has_a_tile_that_exists_and_names_measured_rows() -> N
         m, n, k = shapes[why]
         spec = weight_spec(dtype="float16", m=m, n=n, k=k, b_kmajor=True, activation=act)  # type: ignore[arg-type]
         assert gemm_selection.shape_class(spec)[::2] == (rows_band, depth)
+        assert gemm_selection.pick(spec)[0] == name
+    glu = {name: (m, n, k) for name, m, n, k in GLU_SHAPES}
+    assert sorted(gemm_selection.PAIRED_PICKS) == ["large", "medium", "small"]
+    for rows_band, (name, why) in gemm_selection.PAIRED_PICKS.items():
+        assert name in gemm_sm90.TILES
+        if why.startswith("no row"):
+            continue
+        m, n, k = glu[why]
+        spec = weight_spec(dtype="float16", m=m, n=n, k=k, b_kmajor=True, paired_glu=True)
+        assert gemm_selection.shape_class(spec)[0] == rows_band
         assert gemm_selection.pick(spec)[0] == name
 
 
