@@ -144,6 +144,26 @@ def _is_float(expr: Any) -> bool:
     return _dtype(expr) in ("float16", "bfloat16", "float32", "float64")
 
 
+def _causal_patterns(sq: int, skv: int) -> dict[str, np.ndarray]:
+    """Which keys each of ``sq`` queries sees among ``skv`` under each causal mode, in the
+    order masks are matched: ``none``, ``TopLeft``, ``BottomRight``."""
+    i, j = np.arange(sq)[:, None], np.arange(skv)[None, :]
+    return {"none": np.ones((sq, skv), bool), "TopLeft": j <= i, "BottomRight": j <= i + (skv - sq)}
+
+
+def _mask_pattern(arr: np.ndarray, sq: int, skv: int) -> np.ndarray | None:
+    """The ``[sq, skv]`` keys an additive mask keeps (its values are 0, or at or below MASKED),
+    the same for every batch entry and head; None for a real bias (other values) or a mask that
+    differs between them."""
+    keep = arr > MASKED
+    if np.any(arr[keep] != 0.0):
+        return None
+    pattern = np.broadcast_to(keep, (*arr.shape[:-2], sq, skv)).reshape(-1, sq, skv)
+    if not np.all(pattern == pattern[0]):
+        return None
+    return pattern[0]
+
+
 TAG_PREFIX = "stackfuse.normalized."
 
 
@@ -758,19 +778,11 @@ class _Local(relax.PyExprMutator):
         ):
             return None
         arr = arr.astype(np.float32) * np.float32(coef)  # masked as the scores get it
-        keep = arr > MASKED
-        if np.any(arr[keep] != 0.0):
+        keep = _mask_pattern(arr, sq, skv)
+        if keep is None:
             return None
-        pattern = np.broadcast_to(keep, (*arr.shape[:-2], sq, skv)).reshape(-1, sq, skv)
-        if not np.all(pattern == pattern[0]):
-            return None
-        i, j = np.arange(sq)[:, None], np.arange(skv)[None, :]
-        for mode, want in (
-            ("none", np.ones((sq, skv), bool)),
-            ("TopLeft", j <= i),
-            ("BottomRight", j <= i + (skv - sq)),
-        ):
-            if np.array_equal(pattern[0], want):
+        for mode, want in _causal_patterns(sq, skv).items():
+            if np.array_equal(keep, want):
                 return mode
         return None
 
@@ -1330,23 +1342,12 @@ class _Local(relax.PyExprMutator):
         if attrs.window_size is not None:
             return call
         causal = attrs.causal_mask if attrs.causal_mask is not None else "none"
-        keep = arr > MASKED
-        open_ = arr[keep]
-        if open_.size and np.any(open_ != 0.0):
-            return call  # a real additive bias (ALiBi, relative positions): keep it
         sq, skv = arr.shape[2], arr.shape[3]
-        i = np.arange(sq)[:, None]
-        j = np.arange(skv)[None, :]
-        want: dict[str, np.ndarray] = {
-            "none": np.ones((sq, skv), bool),
-            "TopLeft": j <= i,
-            "BottomRight": j <= i + (skv - sq),
-        }
-        # the bias must be the same for every batch entry and head
-        pattern = np.broadcast_to(keep, arr.shape).reshape(-1, sq, skv)
-        if not np.all(pattern == pattern[0]):
+        keep = _mask_pattern(arr, sq, skv)
+        if keep is None:  # a real additive bias (ALiBi, relative positions), or per-head masks
             return call
-        effective = pattern[0] & want[str(causal)]
+        want = _causal_patterns(sq, skv)
+        effective = keep & want[str(causal)]
         new_causal = None
         for name in ("none", "TopLeft", "BottomRight"):
             if np.array_equal(effective, want[name] & want[str(causal)]):

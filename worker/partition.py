@@ -39,6 +39,7 @@ from worker.attention import (  # noqa: E402
     BiasSpec,
     TensorAccess,
 )
+from worker.normalize import MASKED  # noqa: E402
 from worker.report import CheckFailure, Layout, Match, SiteReason, Where  # noqa: E402
 
 CODEGEN = "cutlass"
@@ -1347,10 +1348,6 @@ def _trace_to_cut(expr: Any, values: dict[Any, Any]) -> tuple[bool, list[str]]:
     return cut, passed
 
 
-#: an additive bias at or below this masks its key out (exp() of it is 0 in float32)
-MASKED_BIAS = -1.0e4
-
-
 def _constant_of(expr: Any, values: dict[Any, Any], depth: int = 0) -> Any:
     """The value (numpy) of ``expr`` when it is a constant, through views and casts
     (``reshape(astype(c))``) and ``where`` of constants (a boolean mask made additive), or
@@ -1399,7 +1396,7 @@ def _bias_kind(expr: Any, values: dict[Any, Any]) -> str:
     if const is None:
         return f"a {dims}bias computed from the inputs (a padding mask, a position bias)"
     arr = np.asarray(const, dtype="float32")
-    keep = arr > MASKED_BIAS
+    keep = arr > MASKED
     if arr.ndim < 2 or np.any(arr[keep] != 0.0):
         return (
             f"a constant {dims}position bias (values other than 0 and masked: ALiBi's "
