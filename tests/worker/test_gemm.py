@@ -760,26 +760,25 @@ def test_modules_without_weights_keep_their_calling_convention() -> None:
 # --------------------------------------------------------------------------------------------
 @pytest.mark.nvcc
 @pytest.mark.slow
-def test_one_gemm_configuration_and_its_glue_compile() -> None:
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (
+            weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True),
+            ("CUTLASS 3 Hopper GEMM", "bias"),
+        ),
+        (
+            weight_spec(dtype="float16", m="?", n=11264, k=2048, b_kmajor=True, paired_glu=True),
+            ("columns paired in registers",),
+        ),
+    ],
+    ids=["bias", "paired_swiglu"],
+)
+def test_a_gemm_configuration_and_its_glue_compile(spec: Any, words: tuple[str, ...]) -> None:
     from worker.nvcc import compile_object
 
-    spec = weight_spec(dtype="float16", m=128, n=96, k=64, b_kmajor=True, bias=True)
     ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
-    assert "CUTLASS 3 Hopper GEMM" in reason and "bias" in reason
-    ck = compile_object(ks)
-    assert ck.object_path.stat().st_size > 0
-    (cfg_obj,) = ck.needs
-    assert cfg_obj.stat().st_size > 100_000  # the CUTLASS kernel's machine code is in there
-
-
-@pytest.mark.nvcc
-@pytest.mark.slow
-def test_the_paired_swiglu_configuration_and_its_glue_compile() -> None:
-    from worker.nvcc import compile_object
-
-    spec = weight_spec(dtype="float16", m="?", n=11264, k=2048, b_kmajor=True, paired_glu=True)
-    ks, reason = gemm_sm90.select_kernel(spec, "sm_90")
-    assert "columns paired in registers" in reason
+    assert all(w in reason for w in words), reason
     ck = compile_object(ks)
     assert ck.object_path.stat().st_size > 0
     (cfg_obj,) = ck.needs
