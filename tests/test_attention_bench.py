@@ -65,3 +65,37 @@ def test_old_results_without_a_steady_timing_still_render() -> None:
 def test_bin_medians_groups_points_by_time() -> None:
     pts = [(1.0, 10.0), (2.0, 30.0), (6.0, 5.0), (700.0, 7.0)]
     assert ab.bin_medians(pts) == {"0-5 ms": 20.0, "5-20 ms": 5.0, "500-1000 ms": 7.0}
+
+
+def test_the_grid_covers_every_axis_the_goal_names() -> None:
+    shapes = ab.grid_shapes()
+    assert len(shapes) >= 40
+    assert len({s["name"] for s in shapes}) == len(shapes)
+    assert {s["h"] for s in shapes} == {64, 80, 96, 128, 256}
+    assert {s["dtype"] for s in shapes} == {"float16", "bfloat16"}
+    assert {bool(s.get("causal")) for s in shapes} == {False, True}
+    kv = {s.get("n_kv", s["n"]) / s["n"] for s in shapes}
+    assert 1.0 in kv and any(r < 1 for r in kv) and any(s.get("n_kv") == 1 for s in shapes)
+    assert len({(s["b"], s["s"]) for s in shapes}) >= 10
+    # every head dim meets both masks and both dtypes
+    cells = {(s["h"], bool(s.get("causal")), s["dtype"]) for s in shapes}
+    assert len(cells) == 5 * 2 * 2
+    for s in shapes:
+        assert s["n"] % s.get("n_kv", s["n"]) == 0
+
+
+def test_the_grid_table_reads_the_goal() -> None:
+    fast = _row(ours=1.0e-3, sdpa=1.2e-3, cudnn=1.1e-3, ours_sw=0, sdpa_sw=0)
+    slow = _row(ours=1.0e-3, sdpa=0.95e-3, cudnn=0.9e-3, ours_sw=0, sdpa_sw=0)
+    for r, dims in ((fast, {"n": 16, "h": 80, "dtype": "bfloat16"}), (slow, {"n": 8, "h": 64})):
+        r |= {"dims": dims, "variants": ["overlap_128x128"], "flops": 1e9}
+        r["stackfuse"]["max_abs_err_vs_sdpa"] = 1e-3
+    broken = {"shape": "b1", "dims": {}, "stackfuse": {"error": "RuntimeError: x"}, "sdpa": {}}
+    rows = [fast, slow, broken]
+    doc = {"device": "H100", "date": "d", "command": "python -m b grid x", "rows": rows}
+    md = ab.grid_markdown(doc)
+    assert "| 1.100x |" in md and "| 0.900x |" in md
+    assert "(cudnn)" in md and "| bfloat16 | no | 16/16 | 80 | overlap_128x128 |" in md
+    assert "RuntimeError: x" in md
+    geo = (1.1 * 0.9) ** 0.5
+    assert f"Geometric mean {geo:.3f}x over 2 shapes" in md and "1 of 2 shapes >= 1.0x" in md
