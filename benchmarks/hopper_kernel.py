@@ -64,6 +64,9 @@ class Slot:
     flags: tuple[str, ...] = ()
     #: most keys the variant takes (worker.hopper.Variant.max_seq_kv); None: any
     max_seq_kv: int | None = None
+    #: a sliding window of this many keys (baked into the glue; the configuration reads it at
+    #: run time); None: none
+    window: int | None = None
 
     @property
     def method(self) -> str:
@@ -76,9 +79,22 @@ _HEADS_32 = [(16, 16, 32), (8, 2, 32)]
 _HEADS_256 = [(8, 8, 256), (8, 2, 256)]
 
 
+#: the sliding windows of the window objects' numerics (one symbol each: the glue bakes W in)
+WINDOWS = (1, 64, 100, 256, 1000)
+
+
 def catalog() -> list[Slot]:
-    """Every object (dtype, variant, tile, causal) and the specs compiled into it."""
-    objs: list[tuple[str, str, str, list[tuple[str, int, int, int, bool]], tuple[str, ...]]] = []
+    """Every object (dtype, variant, tile, causal[, window]) and the specs compiled into it."""
+    objs: list[
+        tuple[
+            str,
+            str,
+            str,
+            list[tuple[str, int, int, int, bool]],
+            tuple[str, ...],
+            tuple[int | None, ...],
+        ]
+    ] = []
 
     def add(
         dtype: str,
@@ -88,11 +104,12 @@ def catalog() -> list[Slot]:
         split: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]] = (),
         any_seq: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]] = (),
         flags: tuple[str, ...] = (),
+        windows: tuple[int, ...] = (),
     ) -> None:
         rows = [("stacked", *h, False) for h in stacked]
         rows += [("split", *h, False) for h in split]
         rows += [("stacked", *h, True) for h in any_seq]
-        objs.append((dtype, variant, causal, rows, flags))
+        objs.append((dtype, variant, causal, rows, flags, windows or (None,)))
 
     f16, b16 = "float16", "bfloat16"
     h128 = (16, 16, 128)
@@ -296,33 +313,47 @@ def catalog() -> list[Slot]:
     # with line info, for Nsight Compute's source view (benchmarks/ncu_probe.py)
     add(f16, "pingpong_128x128", "none@64", [(12, 12, 64)], flags=("-lineinfo",))
     add(f16, "pingpong_128x128", "none", [h128], flags=("-lineinfo",))
+    # sliding windows (WindowConfig, worker/kernels_window): the one variant that takes them, at
+    # tile head dims 128, 64 and 32, both causal alignments, fp16 and bf16, MHA and GQA; stacked
+    # (S == S_kv) and split (S != S_kv) operands
+    for dtype in (f16, b16):
+        for causal in ("TopLeft", "BottomRight"):
+            add(dtype, "pingpongk_128x128", causal, [h128, (32, 8, 128)], [(16, 4, 128)],
+                windows=WINDOWS)  # fmt: skip
+            add(dtype, "pingpongk_128x128", f"{causal}@64", [(16, 4, 64)], [(12, 12, 64)],
+                windows=WINDOWS)  # fmt: skip
+    add(f16, "pingpongk_128x128", "BottomRight@32", [(8, 2, 32)], [(16, 16, 32)], windows=WINDOWS)
 
     from worker.hopper import VARIANTS
 
     slots: list[Slot] = []
-    for dtype, variant, causal_tag, rows, flags in objs:
+    for dtype, variant, causal_tag, rows, flags, windows in objs:
         causal = causal_tag.split("@")[0]
         tag = causal_tag.replace("@", "_d")
         suffix = "".join("_" + re.sub(r"[^a-z0-9]", "", f.lower()) for f in flags)
+        suffix += "_window" if windows != (None,) else ""
         obj = f"{'f16' if dtype == f16 else 'b16'}_{variant}_{tag}{suffix}"
         for kind, nq, nkv, hd, any_seq in rows:
-            sym = f"hfa_{obj}_{kind}_{nq}_{nkv}_{hd}{'_anyseq' if any_seq else ''}"
-            slots.append(
-                Slot(
-                    sym,
-                    dtype,
-                    variant,
-                    causal,
-                    kind,
-                    nq,
-                    nkv,
-                    hd,
-                    any_seq,
-                    obj,
-                    flags,
-                    VARIANTS[variant].max_seq_kv,
+            for win in windows:
+                sym = f"hfa_{obj}_{kind}_{nq}_{nkv}_{hd}{'_anyseq' if any_seq else ''}"
+                sym += f"_w{win}" if win is not None else ""
+                slots.append(
+                    Slot(
+                        sym,
+                        dtype,
+                        variant,
+                        causal,
+                        kind,
+                        nq,
+                        nkv,
+                        hd,
+                        any_seq,
+                        obj,
+                        flags,
+                        VARIANTS[variant].max_seq_kv,
+                        win,
+                    )
                 )
-            )
     return slots
 
 
@@ -342,6 +373,7 @@ def _spec_for(slot: Slot) -> Any:
             nkv=nkv,
             h=h,
             causal=slot.causal,  # type: ignore[arg-type]
+            window=slot.window,
         )
     cq, ckv = nq * h, 2 * nkv * h
     return AttentionSpec(
@@ -361,6 +393,7 @@ def _spec_for(slot: Slot) -> Any:
         num_operands=2,
         packing="separate",
         operand_shapes=((DYNAMIC, DYNAMIC, cq), (DYNAMIC, DYNAMIC, ckv)),
+        window=slot.window,
     )
 
 
@@ -462,7 +495,11 @@ def build(out: Path, jobs: int, only: str | None) -> int:
         by_obj.setdefault(s.obj, []).append(s)
 
     # an object is up to date only if newer than its source and our headers
-    newest_header = max(p.stat().st_mtime for p in hopper.KERNELS_DIR.glob("hopper*.cuh"))
+    newest_header = max(
+        p.stat().st_mtime
+        for d in (hopper.KERNELS_DIR, hopper.WINDOW_KERNELS_DIR)
+        for p in d.glob("hopper*.cuh")
+    )
     tasks = []
     objects: list[str] = []
 
@@ -726,8 +763,19 @@ def _setup_runtime() -> tuple[Any, Any]:
     return torch, tvm_ffi
 
 
-def _reference(torch: Any, q: Any, k: Any, v: Any, causal: str, scale: float, dtype: Any) -> Any:
-    """softmax(scale q k^T + mask) v in `dtype`; q [B,Sq,Nq,H], k/v [B,Sk,Nkv,H] -> [B,Sq,Nq,H]."""
+def _reference(
+    torch: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    causal: str,
+    scale: float,
+    dtype: Any,
+    window: int | None = None,
+) -> Any:
+    """softmax(scale q k^T + mask) v in `dtype`; q [B,Sq,Nq,H], k/v [B,Sk,Nkv,H] -> [B,Sq,Nq,H].
+    ``window``: key j is seen from query i iff ``i + off - W < j <= i + off`` (off 0 top-left,
+    Sk - Sq bottom-right), an explicit boolean mask."""
     b, sq, nq, h = q.shape
     sk, nkv = k.shape[1], k.shape[2]
     g = nq // nkv
@@ -738,10 +786,11 @@ def _reference(torch: Any, q: Any, k: Any, v: Any, causal: str, scale: float, dt
     rows = torch.arange(sq, device=q.device)[:, None]
     cols = torch.arange(sk, device=q.device)[None, :]
     mask = None
-    if causal == "TopLeft":
-        mask = cols > rows
-    elif causal == "BottomRight":
-        mask = cols > rows + (sk - sq)
+    off = sk - sq if causal == "BottomRight" else 0
+    if causal in ("TopLeft", "BottomRight"):
+        mask = cols > rows + off
+        if window is not None:
+            mask = mask | (cols <= rows + off - window)
     for i in range(b):  # one batch at a time bounds the score matrix
         s = torch.matmul(qf[i], kf[i].transpose(-1, -2)) * scale
         if mask is not None:
@@ -806,6 +855,11 @@ def _numerics_cases(slot: dict[str, Any]) -> list[tuple[int, int, int] | tuple[i
         if slot["kind"] == "split":
             return [(2, 64, 256), (1, 37, 200), (3, 256, 256), (2, 129, 200)]
         return [(2, 256, 256), (3, 77, 77), (1, 1, 1), (5, 200, 200), (2, 129, 129)]
+    if slot.get("window") is not None:
+        # S 77, 1024, 2048; split: S != S_kv, every row with a key in its window (S <= S_kv)
+        if slot["kind"] == "split":
+            return [(2, 77, 300), (1, 1024, 2048), (2, 2000, 2048), (1, 1, 1000), (1, 77, 77)]
+        return [(2, 77, 77), (1, 1024, 1024), (2, 2048, 2048), (1, 2048, 2048, "ramp")]
     if slot["any_seq"]:
         return [(2, 77, 77), (1, 203, 203), (3, 1, 1), (1, 999, 999), (1, 999, 999, "ramp")]
     if slot["kind"] == "split":
@@ -860,6 +914,7 @@ def numerics(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]],
             "dtype": slot["dtype"],
             "variant": slot["variant"],
             "causal": slot["causal"],
+            **({"window": slot["window"]} if slot.get("window") is not None else {}),
             "kind": slot["kind"],
             "nq": slot["nq"],
             "nkv": slot["nkv"],
@@ -884,7 +939,14 @@ def numerics(torch: Any, tvm_ffi: Any, mod: Any, manifest: list[dict[str, Any]],
             small = b * slot["nq"] * sq * sk <= (1 << 24)
             ref_dt = torch.float64 if small else torch.float32
             ref = _reference(
-                torch, q, k, v, slot["causal"], 1.0 / math.sqrt(slot["head_dim"]), ref_dt
+                torch,
+                q,
+                k,
+                v,
+                slot["causal"],
+                1.0 / math.sqrt(slot["head_dim"]),
+                ref_dt,
+                slot.get("window"),
             )
             o = out.to(ref_dt)
             unwritten = int(torch.isnan(o).sum().item())
@@ -1006,6 +1068,7 @@ def _bench_slots(
         for slot in manifest
         if slot["kind"] == "stacked"
         and not slot["any_seq"]
+        and slot.get("window") is None
         and slot["dtype"] == dtype
         and slot["causal"] == want
         and slot["nq"] == nq

@@ -74,14 +74,22 @@ class AttentionSpec:
     #: (checked at run time), or None for a non-tensor argument the kernel ignores (TVM passes
     #: symbolic reshape targets as R.Shape arguments)
     operand_shapes: tuple[tuple[int | str, ...] | None, ...] = field(default_factory=tuple)
+    #: a sliding window of W keys (with a causal mask): key j is seen from query i iff
+    #: ``i + off - W < j <= i + off``, ``off`` 0 (TopLeft) or ``S_kv - S`` (BottomRight);
+    #: flash-attention's ``window_size_left = W - 1``, ``right = 0``. None: no window
+    window: int | None = None
 
     @property
     def elem_bits(self) -> int:
         return DTYPE_BITS[self.dtype]
 
     def fingerprint(self) -> str:
-        """Identical workloads share one kernel object: this names it."""
-        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        """Identical workloads share one kernel object: this names it. (A spec without a window
+        keeps the name it had before specs could hold one: its cached objects stay valid.)"""
+        doc = asdict(self)
+        if doc["window"] is None:
+            del doc["window"]
+        blob = json.dumps(doc, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -94,6 +102,7 @@ def stacked_spec(
     causal: Causal = "none",
     batch: int | str = DYNAMIC,
     seq: int | str = DYNAMIC,
+    window: int | None = None,
 ) -> AttentionSpec:
     """The spec of stacked attention straight from ``qkv[B, S, (Nq + 2 Nkv) H]`` (q|k|v blocks
     in order, one operand): for benchmarks and tests that drive a kernel without a module."""
@@ -114,4 +123,5 @@ def stacked_spec(
         v=TensorAccess(0, (nq + nkv) * h, c, h),
         num_operands=1,
         operand_shapes=((batch, seq, c),),
+        window=window,
     )

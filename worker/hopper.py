@@ -23,11 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.attention import DYNAMIC, AttentionSpec, TensorAccess, stacked_spec
-from worker.hopper_selection import SELECTION, Choice, ShapeClass
+from worker.hopper_selection import SELECTION, WINDOW_SELECTION, Choice, ShapeClass
 from worker.kernel_source import KernelSource
+from worker.nvcc import headers_digest
 
 FAMILY = "cutlass_fmha_hopper"
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+#: the sliding window's mask, mainloop and launcher (hopper_window.cuh). Apart from KERNELS_DIR,
+#: whose digest keys every cached object: only window configurations include it, and their
+#: generated source carries this directory's digest (``worker.nvcc.headers_digest``)
+WINDOW_KERNELS_DIR = Path(__file__).resolve().parent / "kernels_window"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 
 #: tile head dims the example instantiates; a head_dim below one is zero-padded by TMA
@@ -70,11 +75,16 @@ class Variant:
     #: most keys the variant is offered for: a choice from measurements, not a limit of the
     #: kernel (it takes any length); None: any
     offered_seq_kv: int | None = None
+    #: also built with a sliding window (``WindowConfig``, hopper_window.cuh: the key tiles
+    #: outside the window skipped); only such a variant takes a spec with one
+    window: bool = False
 
     def takes(self, spec: AttentionSpec) -> bool:
-        """Whether ``spec``'s key length is known to fit (a dynamic one does not) and to be
-        no longer than ``offered_seq_kv``, and its launch is known to be no larger than
-        ``max_ctas``."""
+        """Whether the variant takes ``spec``'s window (if any), ``spec``'s key length is known
+        to fit (a dynamic one does not) and to be no longer than ``offered_seq_kv``, and its
+        launch is known to be no larger than ``max_ctas``."""
+        if spec.window is not None and not self.window:
+            return False
         for most in (self.max_seq_kv, self.offered_seq_kv):
             if most is not None and not (isinstance(spec.seq_kv, int) and spec.seq_kv <= most):
                 return False
@@ -122,9 +132,15 @@ class Variant:
             words += f", for at most {self.offered_seq_kv} keys"
         return words
 
-    def words(self, causal: bool) -> str:
-        """:attr:`kind`, plus what a causal mask changes (the report's words)."""
+    def words(self, causal: bool, window: int | None = None) -> str:
+        """:attr:`kind`, plus what a causal mask and a sliding window change (the report's
+        words)."""
         words = self.kind
+        if window is not None:
+            words += (
+                f"; a sliding window of {window} keys: each query block reads only the key tiles"
+                " its window reaches, masked in place (no mask tensor)"
+            )
         three = self.has(_THREE_MMA_WARPGROUPS)
         if causal and three and self.has(_OVERLAP):
             # the condition of hopper_overlap.cuh's kWarpgroupTrips
@@ -229,7 +245,9 @@ VARIANTS: dict[str, Variant] = {
         # the same with causal tiles heaviest first within chunks of heads: where a chunk
         # balances a launch of a few waves it wins by up to 47%, elsewhere it ties
         # (benchmarks/results/hopper_kernel.md, b1_s4096_n16_h32_causal and b8_s2048_n16_h32_causal)
-        Variant("pingpongk_128x128", _PING, 128, 128, _CHUNKED),
+        # also the one variant with a sliding window (WINDOW_SELECTION): the example's mainloop,
+        # whose K/V loads and mask hopper_window.cuh starts at a window's first key tile
+        Variant("pingpongk_128x128", _PING, 128, 128, _CHUNKED, window=True),
         # three consumer warpgroups of 64 rows each (FlashAttention-3 uses 192-row tiles at d64)
         Variant("coop3_192x128", _COOP, 192, 128, _THREE_MMA_WARPGROUPS),
         Variant("pingpong3_192x128", _PING, 192, 128, _THREE_MMA_WARPGROUPS),
@@ -373,6 +391,9 @@ def supports(spec: AttentionSpec, arch: str) -> str | None:
         )
     if spec.causal not in _CAUSAL_MODE:
         return f"causal mode {spec.causal} is not none/TopLeft/BottomRight"
+    why_not_window = _window_refusal(spec)
+    if why_not_window is not None:
+        return why_not_window
     shapes = _operand_shapes(spec)
     if not 1 <= len(shapes) <= _MAX_OPERANDS:
         return f"{len(shapes)} kernel arguments; the Hopper wrapper takes 1 to {_MAX_OPERANDS}"
@@ -418,6 +439,35 @@ def supports(spec: AttentionSpec, arch: str) -> str | None:
     return None
 
 
+def _window_refusal(spec: AttentionSpec) -> str | None:
+    """What stands in the way of ``spec``'s sliding window (None: no window, or one the window
+    variants take)."""
+    w = spec.window
+    if w is None:
+        return None
+    if spec.causal == "none":
+        return f"window_size={w} without a causal mask; a window needs TopLeft or BottomRight"
+    if w < 1:
+        return f"window_size={w}; a window holds at least one key"
+    tile = tile_head_dim(spec.head_dim)
+    if tile not in WINDOW_SELECTION:
+        return (
+            f"window_size={w} at tile head dim {tile}; only the ping-pong variant at tile head "
+            f"dims {', '.join(map(str, sorted(WINDOW_SELECTION)))} takes a sliding window"
+        )
+    if (
+        spec.causal == "TopLeft"
+        and isinstance(spec.seq_q, int)
+        and isinstance(spec.seq_kv, int)
+        and spec.seq_q > spec.seq_kv + w - 1
+    ):
+        return (
+            f"top-left causal window_size={w} with seq_q {spec.seq_q} > seq_kv {spec.seq_kv} + "
+            f"{w - 1} leaves rows with no keys"
+        )
+    return None
+
+
 def _ctas(spec: AttentionSpec, block_q: int) -> int | None:
     if not isinstance(spec.batch, int) or not isinstance(spec.seq_q, int):
         return None
@@ -443,9 +493,14 @@ def _preferences(choice: Choice | None) -> tuple[str, ...]:
 
 
 def pick(spec: AttentionSpec) -> str | None:
-    """The measured variant for ``spec``'s shape class: the first of the class's preferences
-    that takes ``spec``, or None."""
-    choice: Choice | None = SELECTION.get(shape_class(spec))
+    """The measured variant for ``spec``'s shape class (for a sliding window, its tile head
+    dim's entry of ``WINDOW_SELECTION``): the first of its preferences that takes ``spec``, or
+    None."""
+    choice: Choice | None
+    if spec.window is not None:
+        choice = WINDOW_SELECTION.get(tile_head_dim(spec.head_dim) or 0)
+    else:
+        choice = SELECTION.get(shape_class(spec))
     return next((n for n in _preferences(choice) if VARIANTS[n].takes(spec)), None)
 
 
@@ -488,13 +543,15 @@ def include_dirs() -> list[Path]:
 
 
 def config_type(spec: AttentionSpec, variant: str) -> str:
-    """The C++ ``Config<...>`` of ``variant`` for ``spec``'s dtype, tile head dim and mask:
-    everything the CUTLASS instantiation depends on (the shape numbers are not part of it)."""
+    """The C++ ``Config<...>`` of ``variant`` for ``spec``'s dtype, tile head dim and mask
+    (``WindowConfig<...>`` with a sliding window, whose size is read at run time): everything
+    the CUTLASS instantiation depends on (the shape numbers are not part of it)."""
     tile = tile_head_dim(spec.head_dim)
     assert tile is not None
     v = VARIANTS[variant]
+    name = "WindowConfig" if spec.window is not None else "Config"
     return (
-        f"stackfuse::hopper::Config<{_CUTLASS_TYPE[spec.dtype]}, {v.block_q}, {v.block_kv}, "
+        f"stackfuse::hopper::{name}<{_CUTLASS_TYPE[spec.dtype]}, {v.block_q}, {v.block_kv}, "
         f"{tile}, {v.schedule}, {_CAUSAL_MODE[spec.causal]}{''.join(', ' + o for o in v.options)}>"
     )
 
@@ -506,14 +563,24 @@ def render_config(spec: AttentionSpec, variant: str) -> KernelSource:
     ~4 GB on 2 cores), so it is keyed by the configuration alone."""
     cfg = config_type(spec, variant)
     symbol = "stackfuse_hcfg_" + hashlib.sha256(cfg.encode()).hexdigest()[:24]
-    source = f"""// Generated by stackfuse worker.hopper ({FAMILY} configuration). Type names only.
-#include "hopper_fmha.cuh"
+    header = f"// Generated by stackfuse worker.hopper ({FAMILY} configuration). Type names only."
+    dirs = include_dirs()
+    if spec.window is None:
+        include, signature, call = "hopper_fmha.cuh", "", "launch"
+        args = "p, stream, cuda_error"
+    else:  # the window's size is the launcher's argument: one object serves every size
+        header += f"\n// {WINDOW_KERNELS_DIR.name} sha256 {headers_digest(WINDOW_KERNELS_DIR)}"
+        include, signature, call = "hopper_window.cuh", "int window, ", "launch_window"
+        args = "p, window, stream, cuda_error"
+        dirs = [WINDOW_KERNELS_DIR, *dirs]
+    source = f"""{header}
+#include "{include}"
 
 namespace stackfuse {{
 namespace hopper {{
 
-Status {symbol}(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) {{
-  return launch<{cfg}>(p, stream, cuda_error);
+Status {symbol}(Problem const& p, {signature}cudaStream_t stream, cudaError_t* cuda_error) {{
+  return {call}<{cfg}>({args});
 }}
 
 }}  // namespace hopper
@@ -524,7 +591,7 @@ Status {symbol}(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error) 
         symbol=symbol,
         source=source,
         family=FAMILY,
-        flags=(GENCODE, *(f"-I{p}" for p in include_dirs())),
+        flags=(GENCODE, *(f"-I{p}" for p in dirs)),
         config={**VARIANTS[variant].config, "tile_head_dim": tile or 0, "type": cfg},
     )
 
@@ -537,8 +604,14 @@ def selected_configs(
     picks = sorted(
         (key, variant) for key, choice in SELECTION.items() for variant in _preferences(choice)
     )
+    # sliding windows: the window's size is no part of the configuration (any one stands in)
+    picks += sorted(
+        ((tile, True, "window"), variant)
+        for tile, choice in WINDOW_SELECTION.items()
+        for variant in _preferences(choice)
+    )
     out: dict[str, tuple[str, AttentionSpec]] = {}
-    for (tile, causal, _size), variant in picks:
+    for (tile, causal, size), variant in picks:
         for dtype in dtypes:
             for mode in ("TopLeft", "BottomRight") if causal else ("none",):
                 spec = stacked_spec(
@@ -547,6 +620,7 @@ def selected_configs(
                     nkv=8,
                     h=tile,
                     causal=mode,
+                    window=1 if size == "window" else None,
                 )
                 out.setdefault(config_type(spec, variant), (variant, spec))  # one per type
     return list(out.values())
@@ -571,6 +645,8 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
     v = VARIANTS[variant]
     if v.max_seq_kv is not None and isinstance(spec.seq_kv, int) and spec.seq_kv > v.max_seq_kv:
         raise ValueError(f"variant {variant} takes at most {v.max_seq_kv} keys")
+    if spec.window is not None and not v.window:
+        raise ValueError(f"variant {variant} takes no sliding window")
     library = render_config(spec, variant)
     shapes = _operand_shapes(spec)
     n = len(shapes)
@@ -592,6 +668,17 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
     )
     op_list = ", ".join(f"op{i}" if sh is not None else "nullptr" for i, sh in enumerate(shapes))
     rows = ",\n        ".join(shape_rows)
+    launch = f"&stackfuse::hopper::{library.symbol}"
+    window_param, window_launch = "", ""
+    if spec.window is not None:  # the configuration takes the window: this site's, baked in
+        window_param = "int window, "
+        launch = "&launch_site"
+        window_launch = f"""
+stackfuse::hopper::Status launch_site(stackfuse::hopper::Problem const& p, cudaStream_t stream,
+                                      cudaError_t* cuda_error) {{
+  return stackfuse::hopper::{library.symbol}(p, /*window=*/{int(spec.window)}, stream, cuda_error);
+}}
+"""
     source = f"""// Generated by stackfuse worker.hopper ({FAMILY}, variant {v.name}). Numbers only.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -602,12 +689,13 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
 namespace stackfuse {{
 namespace hopper {{
 // {library.config["type"]}, compiled apart (its object is linked with this one)
-Status {library.symbol}(Problem const& p, cudaStream_t stream, cudaError_t* cuda_error);
+Status {library.symbol}(Problem const& p, {window_param}cudaStream_t stream,
+                        cudaError_t* cuda_error);
 }}  // namespace hopper
 }}  // namespace stackfuse
 
 namespace {{
-
+{window_launch}
 const stackfuse::hopper::StackedSpec kSpec = {{
     /*num_operands=*/{n},
     /*q=*/{access(spec.q)},
@@ -625,7 +713,7 @@ const stackfuse::hopper::StackedSpec kSpec = {{
 
 void impl({params}, DLTensor* out) {{
   DLTensor* ops[] = {{{op_list}}};
-  stackfuse::hopper::run_stacked(&stackfuse::hopper::{library.symbol}, kSpec, ops, out);
+  stackfuse::hopper::run_stacked({launch}, kSpec, ops, out);
 }}
 
 }}  // namespace
@@ -638,6 +726,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC({symbol}, impl);
         "tile_head_dim": tile,
         "configuration": library.symbol,
     }
+    if spec.window is not None:
+        config["window"] = int(spec.window)
     workspace: int | str
     per_row = 4 * spec.num_q_heads  # the epilogue's log-sum-exp, one float per query row
     if isinstance(spec.batch, int) and isinstance(spec.seq_q, int):

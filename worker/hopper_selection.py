@@ -26,6 +26,16 @@ ShapeClass = tuple[int, bool, str]
 #: one variant name, or names in order of preference
 Choice = str | tuple[str, ...]
 
+#: sliding-window attention (causal, ``window_size=W``) by tile head dim: the variants built with
+#: a window (``Variant.window``) skip the key tiles outside it. Unmeasured: the one variant that
+#: takes a window, the causal pick at head dims 32 and 128. No variant at head dim 256 takes one
+#: (``supports()`` refuses it; the site keeps the masked SM80-class path).
+WINDOW_SELECTION: dict[int, Choice] = {
+    32: "pingpongk_128x128",
+    64: "pingpongk_128x128",
+    128: "pingpongk_128x128",
+}
+
 SELECTION: dict[ShapeClass, Choice] = {
     # hopper_kernel.md b8_s2048_n16_h32: 264 TFLOP/s, 1.14x SDPA's fastest
     (32, False, "large"): "overlap_128x128",

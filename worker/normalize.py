@@ -13,7 +13,9 @@ as a :class:`~worker.report.Rewrite`:
   entry is one head), also with 3-D scores and a softmax on their 4-D view (Bloom: ALiBi
   ``[B*N, 1, S]`` becomes a ``[B, N, 1, S]`` bias, its causal mask ``causal_mask``);
 - ``sliding_window``: ``window_size`` (with a causal mask) becomes an additive mask computed in
-  the graph: TVM cannot legalize a window, and no kernel of ours reads one;
+  the graph: TVM cannot legalize a window, and only the Hopper kernel reads one. On sm_90 the
+  window is left for partition, which gives it to the Hopper kernel where that takes the site and
+  hands the rest back to :func:`windows_as_masks` (this rewrite, with the reason);
 - ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` becomes one attention
   with a block-diagonal mask computed from ``seqstart``: TVM cannot legalize it;
 - ``constant_mask``: a constant additive bias that is causal (or attends everywhere) becomes
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,13 +212,28 @@ class _Scores:
 # --------------------------------------------------------------------------------------------
 # local rewrites (one mutator, applied to a fixpoint)
 # --------------------------------------------------------------------------------------------
+#: of a window call: None to leave its window (a kernel may read it), else why it is written as
+#: a mask (the end of the rewrite's message)
+WindowPolicy = Callable[[relax.Call], str | None]
+
+
 @relax.expr_functor.mutator
 class _Local(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> None:
+    def __init__(
+        self,
+        mod: tvm.IRModule,
+        log: _Log,
+        combine: bool,
+        gqa: bool,
+        windows: WindowPolicy,
+        only_windows: bool = False,
+    ) -> None:
         super().__init__(mod)
         self.log = log
         self.combine = combine
         self.gqa = gqa
+        self.windows = windows
+        self.only_windows = only_windows
         self.split_cache: dict[Any, Any] = {}
         self.select_splits: dict[tuple[Any, int], Any] = {}
 
@@ -232,6 +250,10 @@ class _Local(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> Any:
         call = super().visit_call_(call)
         op = _op(call)
+        if self.only_windows:
+            if op in ATTENTION_OPS and call.attrs.window_size is not None:
+                return self.sliding_window(call)
+            return call
         if op == "relax.permute_dims":
             return self.permute(call)
         if op == "relax.reshape":
@@ -1213,9 +1235,10 @@ class _Local(relax.PyExprMutator):
     def sliding_window(self, call: relax.Call) -> Any:
         """``attention(..., causal_mask=C, window_size=W)`` -> ``attention_bias`` with the window
         as an additive mask computed in the graph (``arange``, compare, ``where``: no constant,
-        symbolic lengths work) and the causal mask kept. TVM cannot legalize a window
-        ("Legalization for sliding-window attention is not supported yet"), and no kernel of
-        ours reads one; the masked form builds on every path and the SM80-class kernel takes it.
+        symbolic lengths work) and the causal mask kept, unless ``self.windows`` leaves the
+        window (for the Hopper kernel, which reads it). TVM cannot legalize a window
+        ("Legalization for sliding-window attention is not supported yet"); the masked form
+        builds on every path and the SM80-class kernel takes it.
         Key j is seen from query i when ``i + off - W < j <= i + off``, ``off`` 0 (TopLeft) or
         ``S_kv - S`` (BottomRight): flash-attention's left window of ``W - 1`` keys, as upstream
         TVM's CUTLASS offload passes it. No causal mode: left for partition to refuse."""
@@ -1223,6 +1246,9 @@ class _Local(relax.PyExprMutator):
         causal = str(attrs.causal_mask) if attrs.causal_mask is not None else "none"
         w = int(attrs.window_size.value)
         if causal not in ("TopLeft", "BottomRight") or w < 1:
+            return call
+        why = self.windows(call)
+        if why is None:
             return call
         q, k = call.args[0], call.args[1]
         qs, ks = q.ty.shape, k.ty.shape
@@ -1256,7 +1282,7 @@ class _Local(relax.PyExprMutator):
                 "sliding_window",
                 tag,
                 f"window_size={w} ({causal}) written as an additive mask computed in the graph, "
-                f"the causal mask kept: TVM cannot legalize a window",
+                f"the causal mask kept: TVM cannot legalize a window, and {why}",
             )
         )
         self.log.counts["sliding_window"] += 1
@@ -1788,13 +1814,21 @@ def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.RemoveRedundantReshape()(mod)
 
 
-def _run_local(mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> tvm.IRModule:
+def _run_local(
+    mod: tvm.IRModule,
+    log: _Log,
+    combine: bool,
+    gqa: bool,
+    windows: WindowPolicy,
+    only_windows: bool = False,
+) -> tvm.IRModule:
     for _ in range(MAX_ROUNDS):
         before = sum(log.counts.values())
         out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
-                out[gv] = _Local(mod, log, combine, gqa).visit_expr(func)
+                local = _Local(mod, log, combine, gqa, windows, only_windows)
+                out[gv] = local.visit_expr(func)
         mod = _simplify(out)
         if sum(log.counts.values()) == before:
             break
@@ -1819,6 +1853,32 @@ def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
     return out
 
 
+def _site_rewrites(mod: tvm.IRModule, log: _Log) -> list[Rewrite]:
+    """One report entry per site rewrite in ``log``, where the site now is in ``mod``."""
+    sites = _attention_sites(mod)
+    out = []
+    for name, tag, message in log.sites:
+        fn, idx, binding = sites.get(tag, ("main", -1, "?"))
+        where = Where(
+            function=fn[:128],
+            site=f"{fn}/attention#{idx}" if idx >= 0 else "?",
+            binding=binding[:128],
+        )
+        out.append(Rewrite(rewrite=name, where=where, message=message))
+    return out
+
+
+def windows_as_masks(
+    mod: tvm.IRModule, refused: WindowPolicy
+) -> tuple[tvm.IRModule, list[Rewrite]]:
+    """The sliding windows ``normalize`` left for partition (sm_90) that no kernel took, written
+    as masks (the ``sliding_window`` rewrite, nothing else): ``refused`` gives a call's reason,
+    or None for a window a kernel took."""
+    log = _Log()
+    out = _run_local(mod, log, combine=False, gqa=False, windows=refused, only_windows=True)
+    return out, _site_rewrites(out, log)
+
+
 def normalize(
     mod: tvm.IRModule, options: CompileOptions, arch: str | None = None
 ) -> tuple[tvm.IRModule, list[Rewrite]]:
@@ -1833,20 +1893,18 @@ def normalize(
         rewrites.append(Rewrite(rewrite="dataflow", message="bindings moved into dataflow blocks"))
     mod = relax.transform.EliminateCommonSubexpr()(mod)  # three reshape(x) -> one
     gqa = arch is not None and arch.rstrip("a") == "sm_90"
-    mod = _run_local(mod, log, combine=options.fuse_stacked, gqa=gqa)
+    reason = "options.kernel is sm80" if gqa else f"no kernel reads one on {arch or 'it'}"
+
+    def windows(_call: relax.Call) -> str | None:
+        # sm_90: the Hopper kernel reads windows, partition decides (windows_as_masks)
+        return None if gqa and options.kernel != "sm80" else reason
+
+    mod = _run_local(mod, log, combine=options.fuse_stacked, gqa=gqa, windows=windows)
     if options.offload_gemm and options.fuse_stacked:  # both say "combine", as combine_qkv
         mod = _combine_projections(mod, log)
     if options.offload_gemm and gqa:  # sm_90: the paired SwiGLU GEMM is a Hopper kernel
         mod = _combine_gate_up(mod, log)
-    sites = _attention_sites(mod)
-    for name, tag, message in log.sites:
-        fn, idx, binding = sites.get(tag, ("main", -1, "?"))
-        where = Where(
-            function=fn[:128],
-            site=f"{fn}/attention#{idx}" if idx >= 0 else "?",
-            binding=binding[:128],
-        )
-        rewrites.append(Rewrite(rewrite=name, where=where, message=message))
+    rewrites.extend(_site_rewrites(mod, log))
     if log.widths:
         rewrites.append(
             Rewrite(

@@ -40,7 +40,7 @@ from worker.attention import (  # noqa: E402
     TensorAccess,
 )
 from worker.normalize import MASKED  # noqa: E402
-from worker.report import CheckFailure, Layout, Match, SiteReason, Where  # noqa: E402
+from worker.report import CheckFailure, Layout, Match, Rewrite, SiteReason, Where  # noqa: E402
 
 CODEGEN = "cutlass"
 Fused = TypeVar("Fused")
@@ -428,12 +428,13 @@ def _check_common(
                 f"{label} {hd} exceeds the kernel's maximum of {MAX_HEAD_DIM}",
             )
     scale, causal, window = attention_attrs(call)
-    if window is not None:
+    if window is not None and (causal == "none" or window < 1):
         an.fail(
-            "causal_mode",
-            "no window_size",
-            f"window_size={window}",
-            "sliding-window attention is not supported by the CUTLASS fMHA kernel",
+            "sliding_window",
+            "window_size >= 1 with a causal mask (TopLeft or BottomRight)",
+            f"window_size={window}, causal {causal}",
+            f"window_size={window} with causal mask {causal!r}: a window holds at least one key "
+            "and needs a causal mask",
         )
     if causal not in ("none", "TopLeft", "BottomRight"):
         an.fail(
@@ -500,6 +501,7 @@ def _check_common(
         "causal": causal,
         "bias_shape": bias_spec,
         "skv_v": skv_v,
+        "window": window,
     }
 
 
@@ -693,6 +695,7 @@ def _finish_spec(
         bias=BiasSpec(operand_index(bias), facts["bias_shape"]) if bias is not None else None,
         packing=packing,  # type: ignore[arg-type]
         operand_shapes=shapes,
+        window=facts["window"],
     )
 
 
@@ -949,6 +952,12 @@ class PartitionResult:
     #: sites left to TVM in a form TVM cannot build (also in ``failures``): the job fails on
     #: them before codegen, not at build time
     unbuildable: list[CheckFailure] = field(default_factory=list)
+    #: normalize's rewrites of sites no kernel took as they were (sliding windows that normalize
+    #: left for the Hopper kernel on sm_90, written as masks), each with the reason
+    rewrites: list[Rewrite] = field(default_factory=list)
+    #: the module before fusion, its sites tagged; and the ids of its sites with a window
+    tagged: tvm.IRModule | None = None
+    windowed: list[str] = field(default_factory=list)
 
     def match_entries(self) -> list[Match]:
         out = []
@@ -1026,14 +1035,24 @@ def _leaks(ctx: relax.transform.PatternCheckContext) -> list[tuple[str, str]]:
 
 
 def _kernel_check(an: Analysis, arch: str, preference: str) -> None:
-    """GQA/MQA runs only where a kernel for it exists (the Hopper kernel on sm_90)."""
+    """GQA/MQA and sliding windows run only where a kernel for them exists (the Hopper kernel
+    on sm_90)."""
     from worker.selection import kernel_gap
 
     spec = an.spec
     if spec is None:
         return
     gap = kernel_gap(spec, arch, preference)
-    if gap is not None:
+    if gap is not None and spec.window is not None:
+        an.fail(
+            "sliding_window",
+            "a kernel that reads the window (the Hopper kernel)",
+            f"window_size={spec.window}, causal {spec.causal}",
+            f"sliding-window attention (window_size={spec.window}) needs the Hopper kernel, "
+            f"and {gap}",
+        )
+        an.spec = None
+    elif gap is not None:
         an.fail(
             "num_heads",
             f"num_kv_heads == num_q_heads ({spec.num_q_heads}), or a kernel for GQA/MQA",
@@ -1045,7 +1064,44 @@ def _kernel_check(an: Analysis, arch: str, preference: str) -> None:
 
 
 def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -> PartitionResult:
-    """Run the patterns over ``mod``: fused functions for sites that pass, failures for the rest."""
+    """Run the patterns over ``mod``: fused functions for sites that pass, failures for the rest.
+
+    A sliding window that no kernel took (normalize leaves windows on sm_90 for the Hopper
+    kernel, which does not take every site) is written as a mask by normalize's own rewrite
+    (:func:`worker.normalize.windows_as_masks`, the reason in its message) and the patterns run
+    again: a window never reaches TVM's build, which cannot legalize it."""
+    result = _partition(mod, options, arch)
+    refused = _refused_windows(result) if options.normalize else {}
+    if not refused:
+        return result
+    from worker.normalize import windows_as_masks
+
+    assert result.tagged is not None
+    masked, rewrites = windows_as_masks(result.tagged, lambda call: refused.get(site_of(call)))
+    if not rewrites:
+        return result
+    again = _partition(masked, options, arch)
+    again.rewrites = [*rewrites, *again.rewrites]
+    return again
+
+
+def _refused_windows(result: PartitionResult) -> dict[str | None, str]:
+    """site id -> why no kernel took it, for each windowed site that no pattern fused (the
+    window's own check first)."""
+    fused = {sm.site for sm in result.fused}
+    out: dict[str | None, str] = {}
+    for sid in result.windowed:
+        if sid in fused:
+            continue
+        site = result.sites[sid].where.site
+        found = [f for f in result.failures if f.where.site == site and f.pattern != TVM_FALLBACK]
+        found.sort(key=lambda f: f.check != "sliding_window")
+        why = found[0].message if found else "no pattern matched it"
+        out[sid] = f"no kernel took the window: {why}"
+    return out
+
+
+def _partition(mod: tvm.IRModule, options: CompileOptions, arch: str) -> PartitionResult:
     mod, sites = tag_sites(mod)
     failures: dict[tuple[str, str, str], CheckFailure] = {}
     covered: dict[tuple[str, str], list[str]] = {}
@@ -1099,9 +1155,26 @@ def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -
         matches,
         [*failures.values(), *unbuildable],
         unbuildable=unbuildable,
+        tagged=mod,
+        windowed=_windowed_sites(mod),
     )
     result.reasons = site_reasons(mod, result)
     return result
+
+
+def _windowed_sites(mod: tvm.IRModule) -> list[str]:
+    """Ids of the tagged sites with a sliding window."""
+    out: list[str] = []
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            for block in func.body.blocks:
+                for b in block.bindings:
+                    call = b.value
+                    if _is_attention(call) and call.attrs.window_size is not None:
+                        sid = site_of(call)
+                        if sid is not None:
+                            out.append(sid)
+    return out
 
 
 #: the pattern name of the refusals below: they concern TVM's fallback, not one of our patterns

@@ -162,6 +162,7 @@ def compile_module(
         with timed("partition"):
             attention_weights = _weights_by_site(mod, gemm=False)
             result = partition.partition(mod, options, target.arch)
+            report.normalizations.extend(result.rewrites)
             gemm_weights = _weights_by_site(result.mod, gemm=True)
             gemms = gemm_partition.partition_gemms(result.mod, options, target.arch)
         partitioned = True

@@ -41,12 +41,20 @@ def select_kernel(
             if spec.num_q_heads != spec.num_kv_heads
             else ""
         )
-        reason = (
-            f"Hopper FMHA {variant} ({hopper.VARIANTS[variant].words(causal)}, sm_90a): the "
-            "H200-measured pick for "
-            f"head dim {tile}, {'causal' if causal else 'non-causal'}, {size} launches{grouped}"
-        )
+        words = hopper.VARIANTS[variant].words(causal, spec.window)
+        if spec.window is not None:
+            reason = (
+                f"Hopper FMHA {variant} ({words}, sm_90a): the variant built with a sliding "
+                f"window at head dim {tile}{grouped}"
+            )
+        else:
+            reason = (
+                f"Hopper FMHA {variant} ({words}, sm_90a): the H200-measured pick for head dim "
+                f"{tile}, {'causal' if causal else 'non-causal'}, {size} launches{grouped}"
+            )
         return hopper.render(spec, symbol, variant), reason
+    if spec.window is not None:  # partition's _kernel_check keeps such a site from codegen
+        raise ValueError(f"window_size={spec.window} needs the Hopper kernel, and {why_not}")
     if preference == "hopper":
         why_not = f"Hopper kernel requested but {why_not}"
     reason = f"SM80-class CUTLASS fMHA (kernel_forward.h) on {arch}: {why_not}"
@@ -55,9 +63,12 @@ def select_kernel(
 
 
 def kernel_gap(spec: AttentionSpec, arch: str, preference: str = "auto") -> str | None:
-    """Why no kernel can run ``spec`` (GQA/MQA needs the Hopper kernel), or None."""
-    if spec.num_q_heads == spec.num_kv_heads:
+    """Why no kernel can run ``spec`` (GQA/MQA and a sliding window need the Hopper kernel),
+    or None."""
+    if spec.num_q_heads == spec.num_kv_heads and spec.window is None:
         return None
     if preference == "sm80":
+        if spec.window is not None:
+            return "options.kernel is sm80, which reads no sliding window"
         return "options.kernel is sm80, which needs equal head counts"
     return hopper.supports(spec, arch)

@@ -27,6 +27,7 @@ from worker.build import expand_kv_heads
 from worker.normalize import normalize
 from worker.partition import PartitionResult, partition
 from worker.pipeline import REPORT_NAME, compile_module
+from worker.selection import select_kernel
 
 OPTS = CompileOptions()
 
@@ -369,7 +370,7 @@ def test_merged_form_from_stacked_qkv_fuses_stacked() -> None:
     np.testing.assert_allclose(_run(out, args), _run(mod, args), rtol=1e-4, atol=1e-5)
 
 
-# --- test_sliding_window: window_size -> an explicit mask --------------------------------------
+# --- test_sliding_window: window_size -> the Hopper kernel's window, or an explicit mask -------
 def window_module(
     s: int | None,
     skv: int | None,
@@ -404,17 +405,20 @@ def test_sliding_window_becomes_a_mask_tvm_builds(
     s: int, skv: int, causal: str, symbolic: bool
 ) -> None:
     """Upstream's test_sliding_window (1 x 64 x 16 x 8, window 8, BottomRight) and two more:
-    TopLeft with a symbolic length, and fewer queries than keys."""
+    TopLeft with a symbolic length, and fewer queries than keys. Before sm_90 no kernel reads a
+    window: normalize writes it as a mask."""
     sq, sk = (None, None) if symbolic else (s, skv)
-    out, rewrites = normalize(window_module(sq, sk, causal, 8), OPTS, "sm_90")
+    out, rewrites = normalize(window_module(sq, sk, causal, 8), OPTS, "sm_80")
     rw = _rewrite(rewrites, "sliding_window")
     assert f"window_size=8 ({causal})" in rw.message
+    assert "no kernel reads one on sm_80" in rw.message
     assert rw.where is not None and rw.where.site == "main/attention#0"
-    result = partition(out, OPTS, "sm_90")
+    result = partition(out, OPTS, "sm_80")
     m = _fused(result, "plain", True)
     assert m.causal == causal
-    assert not any(f.check == "causal_mode" for f in result.failures)
-    out, _ = normalize(window_module(sq, sk, causal, 8, n=4), OPTS, "sm_90")
+    assert not any(f.check == "sliding_window" for f in result.failures)
+    assert not result.rewrites
+    out, _ = normalize(window_module(sq, sk, causal, 8, n=4), OPTS, "sm_80")
     q, k, v = (_rnd((1, n, 4, 8), "float16", seed=i) for i, n in enumerate((s, skv, skv)))
     np.testing.assert_allclose(
         _run(out, [q, k, v]), _reference(q, k, v, causal, 8), rtol=1e-2, atol=1e-2
@@ -422,11 +426,11 @@ def test_sliding_window_becomes_a_mask_tvm_builds(
 
 
 def test_a_grouped_query_window_runs_on_the_kernel_that_reads_masks() -> None:
-    """Mistral-style: 8 query heads on 2 K/V heads with a window. The Hopper kernel reads GQA
-    but no mask, the SM80-class kernel a mask but not GQA: K/V are repeated for the latter."""
-    out, rewrites = normalize(window_module(32, 32, "BottomRight", 8, n=8, nkv=2), OPTS, "sm_90")
+    """Mistral-style: 8 query heads on 2 K/V heads with a window, before sm_90. The SM80-class
+    kernel reads a mask but not GQA: K/V are repeated for it."""
+    out, rewrites = normalize(window_module(32, 32, "BottomRight", 8, n=8, nkv=2), OPTS, "sm_80")
     assert "grouped_kv" not in [r.rewrite for r in rewrites]
-    m = _fused(partition(out, OPTS, "sm_90"), "plain", True)
+    m = _fused(partition(out, OPTS, "sm_80"), "plain", True)
     assert m.shapes["k"][2] == 8
     q, k, v = (_rnd((1, 32, n, 8), "float16", seed=i) for i, n in enumerate((8, 2, 2)))
     np.testing.assert_allclose(
@@ -441,6 +445,69 @@ def test_a_window_without_a_causal_mask_fails_up_front() -> None:
     (f,) = result.unbuildable
     assert (f.check, f.where.site) == ("sliding_window", "main/attention#0")
     assert "needs a causal mask" in f.message and f in result.failures
+
+
+@pytest.mark.parametrize(
+    ("s", "skv", "causal", "nkv"),
+    [(64, 64, "BottomRight", None), (None, None, "TopLeft", None), (16, 40, "BottomRight", 4)],
+)
+def test_a_window_on_sm90_runs_on_the_hopper_kernel_with_no_mask(
+    s: int | None, skv: int | None, causal: str, nkv: int | None
+) -> None:
+    """sm_90: normalize leaves the window; partition gives it to the Hopper kernel's window
+    variant, which skips the key tiles outside it: no mask tensor, GQA read as it is."""
+    out, rewrites = normalize(window_module(s, skv, causal, 8, nkv=nkv), OPTS, "sm_90")
+    assert "sliding_window" not in [r.rewrite for r in rewrites]
+    result = partition(out, OPTS, "sm_90")
+    m = _fused(result, "plain", False)
+    assert m.causal == causal and not result.rewrites and not result.failures
+    spec = result.fused[0].analysis.spec
+    assert spec is not None and spec.window == 8 and spec.num_kv_heads == (nkv or 16)
+    ks, reason = select_kernel(spec, "sm_90")
+    assert ks.family == "cutlass_fmha_hopper" and ks.config["variant"] == "pingpongk_128x128"
+    assert "sliding window of 8 keys" in reason and "/*window=*/8" in ks.source
+
+
+@pytest.mark.parametrize(
+    ("h", "options", "words"),
+    [
+        (256, OPTS, "tile head dim 256"),
+        (8, CompileOptions(kernel="sm80"), "options.kernel is sm80"),
+    ],
+)
+def test_a_window_the_hopper_kernel_does_not_take_is_a_mask_with_the_reason(
+    h: int, options: CompileOptions, words: str
+) -> None:
+    """sm_90, but a site the Hopper kernel refuses (no window variant at head dim 256), or the
+    SM80-class kernel asked for: the window becomes the mask the SM80-class kernel reads (in
+    partition, by normalize's rewrite, where partition finds the refusal; else in normalize),
+    the reason in the rewrite; nothing is left that TVM cannot build."""
+    out, rewrites = normalize(window_module(64, 64, "TopLeft", 8, n=4, h=h), options, "sm_90")
+    result = partition(out, options, "sm_90")
+    m = _fused(result, "plain", True)
+    assert m.causal == "TopLeft" and not result.unbuildable
+    (rw,) = [r for r in [*rewrites, *result.rewrites] if r.rewrite == "sliding_window"]
+    assert words in rw.message and "window_size=8 (TopLeft)" in rw.message
+    assert rw.where is not None and rw.where.site == "main/attention#0"
+    spec = result.fused[0].analysis.spec
+    assert spec is not None and spec.window is None and spec.bias is not None
+    assert select_kernel(spec, "sm_90", options.kernel)[1].startswith("SM80-class")
+
+
+def test_without_normalize_a_window_runs_only_where_a_kernel_reads_it() -> None:
+    """options.normalize off: the window reaches partition as it is. sm_90: the Hopper kernel
+    takes it; before sm_90 the job fails up front with the reason (TVM cannot build it)."""
+    options = CompileOptions(normalize=False)
+    mod = window_module(64, 64, "BottomRight", 8)
+    taken = partition(mod, options, "sm_90")
+    spec = _fused(taken, "plain", False)
+    assert taken.fused[0].analysis.spec.window == 8  # type: ignore[union-attr]
+    assert spec.causal == "BottomRight"
+    refused = partition(mod, options, "sm_80")
+    assert not refused.fused and not refused.rewrites
+    assert any("needs the Hopper kernel" in f.message for f in refused.failures)
+    (f,) = refused.unbuildable
+    assert "options.normalize is off" in f.message
 
 
 # --- test_batched_var_len_*: ragged batches -> one masked attention ----------------------------
@@ -619,8 +686,8 @@ def _report(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("what", ["sliding_window", "var_len"])
 def test_unbuildable_attention_fails_the_job_before_codegen(what: str, tmp_path: Path) -> None:
-    if what == "sliding_window":
-        mod = window_module(64, 64, "BottomRight", 8)
+    if what == "sliding_window":  # at head dim 256: no Hopper variant takes a window there
+        mod = window_module(64, 64, "BottomRight", 8, n=4, h=256)
     else:
         mod = var_len_module(8, 8, 16, None)
     with pytest.raises(CompileError) as err:
@@ -636,8 +703,10 @@ def test_unbuildable_attention_fails_the_job_before_codegen(what: str, tmp_path:
 
 @pytest.mark.parametrize("what", ["sliding_window", "var_len"])
 def test_the_rewritten_site_is_fused_by_the_pipeline(what: str, tmp_path: Path) -> None:
+    """sm_90; the window at head dim 256, which the Hopper kernel refuses: partition hands it
+    back to normalize's rewrite, and the report lists that rewrite with the normalizer's."""
     if what == "sliding_window":
-        mod, causal = window_module(64, 64, "BottomRight", 8), "BottomRight"
+        mod, causal = window_module(64, 64, "BottomRight", 8, n=4, h=256), "BottomRight"
     else:
         mod, causal = var_len_module(8, 8, 16, None), "TopLeft"
     with pytest.raises(TimeLimitExceeded):  # nvcc had no time: the job got to codegen
@@ -649,6 +718,17 @@ def test_the_rewritten_site_is_fused_by_the_pipeline(what: str, tmp_path: Path) 
     assert not [f for f in doc["check_failures"] if f["pattern"] == "tvm.legalize"]
     (m,) = doc["matches"]
     assert (m["bias"], m["causal"]) == (True, causal)
+
+
+def test_a_window_the_hopper_kernel_takes_reaches_codegen_without_a_mask(tmp_path: Path) -> None:
+    mod = window_module(64, 64, "BottomRight", 8, nkv=4)
+    with pytest.raises(TimeLimitExceeded):  # nvcc had no time: the job got to codegen
+        _compile(mod, tmp_path)
+    doc = _report(tmp_path)
+    assert "sliding_window" not in [r["rewrite"] for r in doc["normalizations"]]
+    assert doc["summary"]["fused_plain"] == 1 and not doc["check_failures"]
+    (m,) = doc["matches"]
+    assert (m["bias"], m["causal"]) == (False, "BottomRight")
 
 
 @pytest.mark.parametrize("fmt", ["tvm-json", "tvmscript"])

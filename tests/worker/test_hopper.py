@@ -7,16 +7,20 @@ benchmarks/results/hopper_kernel.md); here: CPU logic, and one real nvcc compile
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
 import shutil
 import subprocess
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
 from worker import hopper
 from worker.attention import DYNAMIC, AttentionSpec, BiasSpec, TensorAccess, stacked_spec
-from worker.nvcc import COMMON_FLAGS, compile_object, include_flags, nvcc_argv
+from worker.nvcc import COMMON_FLAGS, compile_object, headers_digest, include_flags, nvcc_argv
+from worker.selection import select_kernel
 from worker.toolchain import find_toolchain
 
 
@@ -28,6 +32,7 @@ def stacked(
     nkv: int = 16,
     h: int = 128,
     causal: str = "none",
+    window: int | None = None,
 ) -> AttentionSpec:
     return stacked_spec(
         dtype=dtype,
@@ -37,6 +42,7 @@ def stacked(
         causal=causal,  # type: ignore[arg-type]
         batch=batch,
         seq=seq,
+        window=window,
     )
 
 
@@ -532,17 +538,20 @@ def test_render_rejects_unknown_variant_and_unsupported_spec() -> None:
 @pytest.mark.nvcc
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("variant", "h", "causal"),
+    ("variant", "h", "causal", "window"),
     [
-        ("overlap_128x128", 128, "none"),
-        ("pingpong_128x128", 128, "none"),
-        ("pingpongq_128x128", 128, "none"),
-        ("shortw_64x128", 64, "none"),
-        ("overlapoq_128x64", 256, "none"),
-        ("overlap3kls_192x128", 64, "TopLeft"),
+        ("overlap_128x128", 128, "none", None),
+        ("pingpong_128x128", 128, "none", None),
+        ("pingpongq_128x128", 128, "none", None),
+        ("shortw_64x128", 64, "none", None),
+        ("overlapoq_128x64", 256, "none", None),
+        ("overlap3kls_192x128", 64, "TopLeft", None),
+        ("pingpongk_128x128", 128, "BottomRight", 100),
     ],
 )
-def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int, causal: str) -> None:
+def test_nvcc_compiles_one_config_and_exports_the_symbol(
+    variant: str, h: int, causal: str, window: int | None
+) -> None:
     """One forward configuration for sm_90a through the service's cached nvcc: our
     warp-specialized kernel with our overlapped mainloop and the example's epilogue in turn (the
     pick for long sequences at head dim 128), with the example's mainloop and our epilogue out of
@@ -550,8 +559,10 @@ def test_nvcc_compiles_one_config_and_exports_the_symbol(variant: str, h: int, c
     (short prompts; its shared memory is checked against the H200's 227 KB at compile time), our
     short-sequence kernel, the persistent head-dim-256 kernel (64 KB of Q and five K/V stages,
     O staged in the Q stage: at the limit too), and the causal three-warpgroup kernel with its
-    query blocks aligned to the last row (Q loaded and O stored from a shifted row)."""
-    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h, causal=causal)
+    query blocks aligned to the last row (Q loaded and O stored from a shifted row), and the
+    sliding-window configuration (worker/kernels_window: K/V loads from the window's first
+    tile, the window read at run time; the glue passes its own)."""
+    spec = stacked(batch=DYNAMIC, seq=DYNAMIC, h=h, causal=causal, window=window)
     ks = hopper.render(spec, "stackfuse_hopper_nvcc_test", variant)
     compiled = compile_object(ks)
     nm = shutil.which("nm")
@@ -712,6 +723,11 @@ def test_prebuild_covers_every_configuration_the_selection_picks() -> None:
                         )
                         ks = hopper.render(spec, "s", hopper.variants(spec)[0])
                         assert ks.needs[0].source in warm, (tile, seq, causal, dtype, nkv)
+                        if causal == "none" or tile == 256:
+                            continue
+                        windowed = replace(spec, window=100)
+                        ks = hopper.render(windowed, "s", hopper.variants(windowed)[0])
+                        assert ks.needs[0].source in warm, (tile, seq, causal, dtype, nkv)
 
 
 def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
@@ -824,3 +840,86 @@ def test_timeline_summary_from_stamps() -> None:
     assert s["tile_us_by_round"][1]["p50"] == pytest.approx(2.5)
     assert s["first_tile_end_us"]["p50"] == pytest.approx(2.02)
     assert [c["sm"] for c in s["latest"]] == [9, 7, 8]
+
+
+# --- sliding windows --------------------------------------------------------------------------
+@pytest.mark.parametrize("h", [32, 64, 96, 128])
+@pytest.mark.parametrize("causal", ["TopLeft", "BottomRight"])
+def test_a_window_runs_on_the_one_variant_built_with_it(h: int, causal: str) -> None:
+    """Whatever the shape class, a window goes to WINDOW_SELECTION's variant, the only one whose
+    ``takes`` holds; the others refuse it."""
+    for batch, seq in ((1, 128), (8, 2048), (DYNAMIC, DYNAMIC)):
+        spec = stacked(batch=batch, seq=seq, h=h, causal=causal, window=256)
+        assert hopper.supports(spec, "sm_90a") is None
+        assert hopper.pick(spec) == "pingpongk_128x128"
+        assert hopper.variants(spec) == ["pingpongk_128x128"]
+    assert [n for n, v in hopper.VARIANTS.items() if v.window] == ["pingpongk_128x128"]
+    assert not hopper.VARIANTS["overlap3kls_192x128"].takes(stacked(h=64, causal=causal, window=4))
+
+
+@pytest.mark.parametrize(
+    ("spec", "arch", "words"),
+    [
+        (stacked(h=256, causal="BottomRight", window=64), "sm_90", "tile head dim 256"),
+        (stacked(causal="none", window=64), "sm_90", "without a causal mask"),
+        (stacked(causal="TopLeft", window=0), "sm_90", "at least one key"),
+        (stacked(causal="BottomRight", window=64), "sm_80", "not sm_90"),
+        (stacked(dtype="float32", causal="TopLeft", window=64), "sm_90", "fp32"),
+    ],
+)
+def test_a_window_the_kernel_cannot_read_is_refused_with_a_reason(
+    spec: AttentionSpec, arch: str, words: str
+) -> None:
+    why = hopper.supports(spec, arch)
+    assert why is not None and words in why
+    with pytest.raises(ValueError, match="needs the Hopper kernel"):
+        select_kernel(spec, arch)
+
+
+def test_a_top_left_window_that_leaves_rows_without_keys_is_refused() -> None:
+    """Top-left, row i sees keys (i - W, i]: rows past S_kv + W - 1 see none (the kernel would
+    write zeros, SDPA NaN), as bottom-right causal with S > S_kv."""
+    base = replace(stacked(causal="TopLeft", window=64), seq_q=2048, seq_kv=1024)
+    why = hopper.supports(base, "sm_90")
+    assert why is not None and "no keys" in why
+    assert hopper.supports(replace(base, window=1025), "sm_90") is None
+    assert hopper.supports(replace(base, seq_q=1087), "sm_90") is None
+
+
+def test_window_render_passes_the_window_to_a_configuration_that_reads_it() -> None:
+    """The window's configuration takes W at run time (one object for every W, keyed by the
+    digest of worker/kernels_window, which it alone includes); the glue bakes its site's W in."""
+    a = hopper.render(stacked(causal="BottomRight", window=100), "s", "pingpongk_128x128")
+    b = hopper.render(stacked(causal="BottomRight", window=7), "s", "pingpongk_128x128")
+    plain = hopper.render(stacked(causal="BottomRight"), "s", "pingpongk_128x128")
+    (cfg,) = a.needs
+    assert cfg.source == b.needs[0].source and cfg.symbol == b.needs[0].symbol
+    assert cfg.symbol != plain.needs[0].symbol
+    assert '#include "hopper_window.cuh"' in cfg.source and "WindowConfig<" in cfg.source
+    assert headers_digest(hopper.WINDOW_KERNELS_DIR) in cfg.source
+    assert f"-I{hopper.WINDOW_KERNELS_DIR}" in cfg.flags
+    assert "launch_window<" in cfg.source and "int window," in cfg.source
+    assert "/*window=*/100" in a.source and "/*window=*/7" in b.source
+    assert "run_stacked(&launch_site," in a.source
+    assert a.config["window"] == 100 and "window" not in plain.config
+    # a configuration without a window neither includes nor digests the window's headers
+    assert "kernels_window" not in plain.needs[0].source + " ".join(plain.needs[0].flags)
+    assert "hopper_window" not in plain.source
+    with pytest.raises(ValueError, match="no sliding window"):
+        hopper.render(stacked(causal="TopLeft", window=8), "s", "pingpong_128x128")
+
+
+def test_a_spec_without_a_window_keeps_its_fingerprint() -> None:
+    """The window joined AttentionSpec later: a spec without one names the kernel it named
+    before (cached glue stays valid); a window makes another."""
+    spec = stacked(causal="TopLeft")
+    doc = asdict(spec)
+    del doc["window"]
+    blob = json.dumps(doc, sort_keys=True, default=str)
+    assert spec.fingerprint() == hashlib.sha256(blob.encode()).hexdigest()
+    assert replace(spec, window=8).fingerprint() != spec.fingerprint()
+
+
+def test_the_report_names_the_window() -> None:
+    _, reason = select_kernel(stacked(h=64, causal="TopLeft", window=512), "sm_90")
+    assert "pingpongk_128x128" in reason and "sliding window of 512 keys" in reason

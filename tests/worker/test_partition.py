@@ -234,17 +234,23 @@ CHECK_CASES: dict[str, tuple[Any, str]] = {
     "num_heads": (lambda: stacked_attention_module(2, 8, 8, 64, n_kv=2), "need the Hopper kernel"),
     "head_dim_max": (lambda: stacked_attention_module(2, 8, 2, 512), "maximum of 256"),
     "head_dim_alignment": (lambda: stacked_attention_module(2, 8, 4, 30), "multiples of 4"),
-    "causal_mode": (
-        lambda: custom_attention_module(
-            (2, 8, 768),
-            lambda x: _slice(x, [0, 256, 512], [256, 512, 768]),
-            causal="BottomRight",
-            window_size=4,
-        ),
-        "sliding-window",
-    ),
     "scale": (lambda: stacked_attention_module(2, 8, 4, 64, scale=0.0), "non-zero"),
 }
+
+
+def test_a_window_without_its_kernel_reports_why() -> None:
+    """A stacked window before sm_90 with normalize off (with it on, normalize writes the
+    window as a mask; tests/worker/test_attention_forms.py)."""
+    mod = custom_attention_module(
+        (2, 8, 768),
+        lambda x: _slice(x, [0, 256, 512], [256, 512, 768]),
+        causal="BottomRight",
+        window_size=4,
+    )
+    res = partition(mod, CompileOptions(normalize=False), arch="sm_80")
+    assert not res.fused
+    hits = [f for f in res.failures if f.check == "sliding_window" and f.pattern != "tvm.legalize"]
+    assert hits and all("needs the Hopper kernel, and target arch sm_80" in f.message for f in hits)
 
 
 @pytest.mark.parametrize("check", sorted(CHECK_CASES))
