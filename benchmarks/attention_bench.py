@@ -133,6 +133,15 @@ GRID_SIZES = [
     (1, 1024, 8),
 ]
 GRID_NAMED = [(16, 512, 16, 16, 64, False, "float16"), (2, 4096, 10, 10, 64, False, "float16")]
+#: sliding windows (bottom-right causal, window W), beside the grid: (B, S, Nq, Nkv, H, W, dtype).
+#: Mistral-7B's attention at 8k tokens with its 4096 window, a 1024 window at 4k, and a short
+#: window at head dim 64. PyTorch's peers are SDPA with the window as a boolean mask and
+#: FlexAttention (compiled) with a sliding-window block mask.
+GRID_WINDOWS = [
+    (1, 8192, 32, 8, 128, 4096, "bfloat16"),
+    (4, 4096, 32, 8, 128, 1024, "float16"),
+    (2, 4096, 16, 16, 64, 256, "float16"),
+]
 
 
 def grid_shapes() -> list[dict[str, Any]]:
@@ -158,6 +167,13 @@ def grid_shapes() -> list[dict[str, Any]]:
         if causal:
             shape["causal"] = "BottomRight"
         shapes.append(shape)
+    for b, s, n, n_kv, h, w, dtype in GRID_WINDOWS:
+        dt = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        shape = {"name": f"b{b}_s{s}_q{n}_kv{n_kv}_h{h}_window{w}_{dt}", "b": b, "s": s, "n": n}
+        shape |= {"h": h, "dtype": dtype, "causal": "BottomRight", "window": w}
+        if n_kv != n:
+            shape["n_kv"] = n_kv
+        shapes.append(shape)
     return shapes
 
 
@@ -169,8 +185,13 @@ WAYS: dict[str, dict[str, Any]] = {
 
 
 def flops(shape: dict[str, Any]) -> float:
-    f = 4.0 * shape["b"] * shape["s"] * shape["s"] * shape["n"] * shape["h"]
-    return f / 2 if shape.get("causal") else f
+    """4 B N H x (query, key) pairs computed: S^2, half of it causal, a window's band."""
+    s, w = shape["s"], shape.get("window")
+    if w is not None and w < s:  # rows see min(i + 1, W) keys
+        pairs = w * (w + 1) / 2 + (s - w) * w
+    else:
+        pairs = s * s / 2 if shape.get("causal") else s * s
+    return 4.0 * shape["b"] * shape["n"] * shape["h"] * pairs
 
 
 def build(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) -> None:
@@ -192,6 +213,7 @@ def build(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) 
             dtype=shape.get("dtype", "float16"),
             causal=shape.get("causal"),
             n_kv=shape.get("n_kv"),
+            window=shape.get("window"),
         )
         for way, opts in ways.items():
             t0 = time.monotonic()
@@ -317,18 +339,32 @@ def _module_call(lib: Path, qkv: Any, tvm: Any, dev: Any) -> Any:
 
 def _sdpa_calls(shape: dict[str, Any], qkv: Any) -> tuple[Any, dict[str, Any]]:
     """SDPA on views of ``qkv`` (split and view in the call, as a user writes it): its default
-    backend, and each of flash, efficient and cuDNN forced alone, by backend name."""
+    backend, and each of flash, efficient and cuDNN forced alone, by backend name. A window
+    (bottom-right causal, S = S_kv) goes to SDPA as a boolean mask, which flash refuses, and
+    to FlexAttention, compiled, with the same band as a block mask (``FLEX``)."""
+    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, s, n, h = shape["b"], shape["s"], shape["n"], shape["h"]
     n_kv = shape.get("n_kv", n)
     causal = shape.get("causal") is not None
+    window = shape.get("window")
+    mask = None
+    if window is not None:
+        i = torch.arange(s, device=qkv.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
 
-    def sdpa() -> Any:
+    def views() -> tuple[Any, Any, Any]:
         q, k, v = qkv.split([n * h, n_kv * h, n_kv * h], dim=2)
         q = q.view(b, s, n, h).transpose(1, 2)
         k, v = (t.view(b, s, n_kv, h).transpose(1, 2) for t in (k, v))
+        return q, k, v
+
+    def sdpa() -> Any:
+        q, k, v = views()
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_kv != n)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=n_kv != n)
 
     forced: dict[str, Any] = {}
@@ -343,6 +379,20 @@ def _sdpa_calls(shape: dict[str, Any], qkv: Any) -> tuple[Any, dict[str, Any]]:
                 return sdpa()
 
         forced[backend.name] = alone
+    if window is not None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def band(_b: Any, _h: Any, qi: Any, ki: Any) -> Any:
+            return (ki <= qi) & (ki > qi - window)
+
+        block_mask = create_block_mask(band, None, None, s, s, device=qkv.device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+
+        def flex() -> Any:
+            q, k, v = views()
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=n_kv != n)
+
+        forced["FLEX"] = flex
     return sdpa, forced
 
 
@@ -577,7 +627,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
 
 def grid_markdown(doc: dict[str, Any]) -> str:
     """The grid's table: per shape, our kernel time beside SDPA's fastest backend, and the
-    summary the issue's goal reads (every shape >= 1.0x, geometric mean >= 1.10x)."""
+    summary the issue's goal reads (every shape >= 1.0x, geometric mean >= 1.10x); then the
+    sliding windows beside PyTorch's fastest (SDPA with a mask, FlexAttention)."""
     rows = doc["rows"]
     first = rows[0] if rows else {}
     lines = [
@@ -593,41 +644,68 @@ def grid_markdown(doc: dict[str, Any]) -> str:
         f"back to back ~{first.get('preroll_s', 0) * 1e3:.0f} ms untimed then "
         f"{first.get('calls', CALLS)} timed calls. SDPA's fastest: the fastest of its default",
         "and each backend forced alone (flash, efficient, cuDNN), on views of the same tensor.",
-        "*ratio* = SDPA's fastest kernel time / ours: > 1, we are faster.",
+        "*ratio* = the peer's fastest kernel time / ours: > 1, we are faster. Causal masks are",
+        "bottom-right (S = S_kv).",
+    ]
+    header = [
         "",
         "| shape | dtype | causal | heads q/kv | head dim | kernel | ours TFLOP/s "
-        "| SDPA fastest TFLOP/s (backend) | ratio | max abs err vs SDPA |",
+        "| {peer} TFLOP/s (backend) | ratio | max abs err vs SDPA |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ratios: list[float] = []
-    for r in rows:
-        d = r.get("dims", {})
-        ours = r.get("stackfuse", {})
-        ratio = kernel_ratio(r)
-        best_s = sdpa_best_kernel_s(r) if ratio else None
-        backend = r.get("sdpa_best", {}).get("backend", "default").replace("_ATTENTION", "")
-        if best_s is not None and r.get("sdpa", {}).get("kernel_s") == best_s:
-            backend = "default"
-        head = (
-            f"| {r['shape']} | {d.get('dtype', 'float16')} | {'yes' if d.get('causal') else 'no'} "
-            f"| {d.get('n')}/{d.get('n_kv', d.get('n'))} | {d.get('h')} "
-            f"| {', '.join(r.get('variants') or []) or '-'} "
-        )
-        if ratio is None or best_s is None:
-            lines.append(head + f"| {ours.get('error', 'error')} | - | - | - |")
-            continue
-        ratios.append(ratio)
-        lines.append(
-            head + f"| {ours['kernel_tflops']:.1f} | {r['flops'] / best_s / 1e12:.1f} "
-            f"({backend.lower()}) | {ratio:.3f}x | {ours['max_abs_err_vs_sdpa']:.1e} |"
-        )
-    if ratios:
-        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+
+    def table(group: list[dict[str, Any]], peer: str) -> list[float]:
+        lines.extend(h.format(peer=peer) for h in header)
+        ratios: list[float] = []
+        for r in group:
+            d = r.get("dims", {})
+            ours = r.get("stackfuse", {})
+            ratio = kernel_ratio(r)
+            best_s = sdpa_best_kernel_s(r) if ratio else None
+            backend = r.get("sdpa_best", {}).get("backend", "default").replace("_ATTENTION", "")
+            if best_s is not None and r.get("sdpa", {}).get("kernel_s") == best_s:
+                backend = "default"
+            mask = (
+                f"window {d['window']}" if d.get("window") else "yes" if d.get("causal") else "no"
+            )
+            head = (
+                f"| {r['shape']} | {d.get('dtype', 'float16')} | {mask} "
+                f"| {d.get('n')}/{d.get('n_kv', d.get('n'))} | {d.get('h')} "
+                f"| {', '.join(r.get('variants') or []) or '-'} "
+            )
+            if ratio is None or best_s is None:
+                lines.append(head + f"| {ours.get('error', 'error')} | - | - | - |")
+                continue
+            ratios.append(ratio)
+            lines.append(
+                head + f"| {ours['kernel_tflops']:.1f} | {r['flops'] / best_s / 1e12:.1f} "
+                f"({backend.lower()}) | {ratio:.3f}x | {ours['max_abs_err_vs_sdpa']:.1e} |"
+            )
+        if ratios:
+            geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+            lines.extend(
+                [
+                    "",
+                    f"Geometric mean {geo:.3f}x over {len(ratios)} shapes; min {min(ratios):.3f}x,"
+                    f" max {max(ratios):.3f}x; {sum(x >= 1 for x in ratios)} of {len(ratios)}"
+                    " shapes >= 1.0x.",
+                ]
+            )
+        return ratios
+
+    table([r for r in rows if not r.get("dims", {}).get("window")], "SDPA fastest")
+    windows = [r for r in rows if r.get("dims", {}).get("window")]
+    if windows:
         lines += [
             "",
-            f"Geometric mean {geo:.3f}x over {len(ratios)} shapes; min {min(ratios):.3f}x, max "
-            f"{max(ratios):.3f}x; {sum(x >= 1 for x in ratios)} of {len(ratios)} shapes >= 1.0x.",
+            "## Sliding windows",
+            "",
+            "Bottom-right causal with a window of W keys (Mistral's). Peers: SDPA with the window",
+            "as a boolean `[S, S]` mask (flash takes no mask; efficient and cuDNN do) and",
+            "FlexAttention compiled with the band as a block mask (`flex`). TFLOP/s count the",
+            "band's (query, key) pairs only.",
         ]
+        table(windows, "PyTorch fastest")
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,7 @@ def stacked_attention_module(
     epilogue: bool = False,
     n_kv: int | None = None,
     extra_cols: int = 0,
+    window: int | None = None,
 ) -> Any:
     """``qkv[B, S, N*H + Nkv*H + Nkv*H_v] -> split|strided_slice -> reshape x3 -> attention``.
 
@@ -88,7 +89,9 @@ def stacked_attention_module(
                 k = R.emit(R.reshape(sl("k"), kk_shape))
                 v = R.emit(R.reshape(sl("v"), v_shape))
             scale_imm = T.FloatImm("float32", scale) if scale is not None else None
-            out = R.emit(R.nn.attention(q, k, v, bias, scale_imm, causal_mask=causal))
+            out = R.emit(
+                R.nn.attention(q, k, v, bias, scale_imm, causal_mask=causal, window_size=window)
+            )
             if epilogue:
                 out = R.emit(R.add(out, out))
             if leak:

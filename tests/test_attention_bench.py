@@ -99,3 +99,16 @@ def test_the_grid_table_reads_the_goal() -> None:
     assert "RuntimeError: x" in md
     geo = (1.1 * 0.9) ** 0.5
     assert f"Geometric mean {geo:.3f}x over 2 shapes" in md and "1 of 2 shapes >= 1.0x" in md
+
+
+def test_window_rows_count_the_band_and_get_their_own_table() -> None:
+    w = next(s for s in ab.grid_shapes() if s.get("window") == 256)
+    b, s, n, h = w["b"], w["s"], w["n"], w["h"]
+    pairs = sum(min(i + 1, 256) for i in range(s))
+    assert ab.flops(w) == pytest.approx(4.0 * b * n * h * pairs)
+    assert ab.flops({"b": 1, "s": 8, "n": 1, "h": 1, "causal": "BottomRight"}) == 4.0 * 32
+    row = _row(ours=1.0e-3, sdpa=3e-3, cudnn=2e-3, ours_sw=0, sdpa_sw=0)
+    row |= {"dims": w, "variants": ["pingpongk_128x128"], "flops": 1e9}
+    row["stackfuse"]["max_abs_err_vs_sdpa"] = 1e-3
+    md = ab.grid_markdown({"device": "H100", "date": "d", "command": "c grid", "rows": [row]})
+    assert "## Sliding windows" in md and "| window 256 |" in md and "| 2.000x |" in md
