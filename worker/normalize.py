@@ -14,8 +14,12 @@ as a :class:`~worker.report.Rewrite`:
   ``[B*N, 1, S]`` becomes a ``[B, N, 1, S]`` bias, its causal mask ``causal_mask``);
 - ``sliding_window``: ``window_size`` (with a causal mask) becomes an additive mask computed in
   the graph: TVM cannot legalize a window, and no kernel of ours reads one;
-- ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` becomes one attention
-  with a block-diagonal mask computed from ``seqstart``: TVM cannot legalize it;
+- ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` that the ragged kernel
+  (the SM80-class one, reading ``seqstart``) refuses becomes one attention with a
+  block-diagonal mask computed from ``seqstart``: TVM cannot legalize it. The report gives the
+  kernel's reason. Calls the kernel takes stay; ``ragged_operands`` repeats their grouped K/V
+  heads up to the query heads and casts integer seqstart tensors to int32 for it (it reads
+  equal head counts and int32 offsets only);
 - ``constant_mask``: a constant additive bias that is causal (or attends everywhere) becomes
   ``causal_mask`` (or no bias): the kernel masks without reading a tensor;
 - ``transpose_pairs``: ``permute_dims`` chains compose; identities vanish; a transpose is moved
@@ -66,6 +70,9 @@ from typing import Any
 import numpy as np
 
 from service.spec import CompileOptions
+from worker.attention import MASKED
+from worker.partition import ATTENTION_OPS as SITE_OPS
+from worker.partition import ragged_refusal
 from worker.report import Rewrite, Where
 from worker.toolchain import import_tvm
 
@@ -75,8 +82,6 @@ import tvm  # noqa: E402
 import tvm_ffi  # noqa: E402
 from tvm import ir, relax, tirx  # noqa: E402
 
-#: an additive bias at or below this is "masked out": exp(-1e4) underflows to 0 in fp32
-MASKED = -1.0e4
 #: the additive bias of a key outside a sliding window: finite in float16 (an all-masked row
 #: stays a number) and far below any score, so exp() of it is 0 in float32
 WINDOW_MASKED = -3.0e4
@@ -211,10 +216,11 @@ class _Scores:
 # --------------------------------------------------------------------------------------------
 @relax.expr_functor.mutator
 class _Local(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> None:
+    def __init__(self, mod: tvm.IRModule, log: _Log, options: CompileOptions, gqa: bool) -> None:
         super().__init__(mod)
         self.log = log
-        self.combine = combine
+        self.options = options
+        self.combine = options.fuse_stacked
         self.gqa = gqa
         self.split_cache: dict[Any, Any] = {}
         self.select_splits: dict[tuple[Any, int], Any] = {}
@@ -1262,21 +1268,57 @@ class _Local(relax.PyExprMutator):
         self.log.counts["sliding_window"] += 1
         return att
 
-    # ---- ragged batches -> one masked attention -------------------------------------------
+    # ---- ragged batches: the ragged kernel, else one masked attention ---------------------
     def var_len(self, call: relax.Call) -> Any:
-        """``attention_var_len(q, k, v, seqstart, max_seqlen)`` on packed tokens ``[1, T, N,
-        H]`` -> ``attention_bias`` over all T tokens with a block-diagonal mask computed in the
-        graph (token t is in sequence ``#{b : seqstart[b] <= t}``), the causal mask and the
-        window kept inside each block. TVM cannot legalize ``attention_var_len``; this form
-        builds everywhere and is exact, at T x T work and a T x T mask in memory (a kernel of
-        ours for ragged batches would take the packed form itself). Only where q and k share
-        one ``seqstart`` (each sequence its own keys)."""
+        """``attention_var_len(q, k, v, seqstart_q, seqstart_k, max_seqlen_q, max_seqlen_k)``
+        on packed tokens ``[1, T, N, H]``. TVM cannot legalize it. Kept for the SM80-class
+        kernel, which reads seqstart, wherever :func:`worker.partition.ragged_refusal` finds
+        nothing against it, with grouped K/V heads repeated up to the query heads and integer
+        seqstart tensors cast to int32 (that kernel reads equal head counts and int32 offsets
+        only). Elsewhere (a window, a layout or dtype the kernel
+        refuses, nothing offloaded: the validation reference) ``attention_bias`` over all T
+        tokens with a block-diagonal mask computed in the graph (token t is in sequence
+        ``#{b : seqstart[b] <= t}``), the causal mask and the window kept inside each block:
+        exact, at T x T work and a T x T mask in memory; only where q and k share one
+        ``seqstart`` (each sequence its own keys)."""
         q, k, v, start_q, start_k = call.args[:5]
         attrs = call.attrs
-        if not start_q.same_as(start_k):
-            return call
         qs = q.ty.shape
-        if not isinstance(qs, relax.ShapeExpr) or len(qs.values) != 4 or _ndim(start_q) != 1:
+        if not isinstance(qs, relax.ShapeExpr) or len(qs.values) != 4:
+            return call
+        k_, v_ = self.all_heads(q, k, v)
+        done = []
+        if k_ is not k:  # all_heads repeats static head counts only
+            nkv, nq = (int(x.ty.shape.values[2].value) for x in (k, q))
+            done.append(f"K and V repeated from {nkv} to {nq} heads")
+        starts = {}
+        for s_ in (start_q, start_k):
+            dt = _dtype(s_) if isinstance(s_.ty, relax.TensorType) else ""
+            if dt.startswith(("int", "uint")) and dt != "int32" and s_ not in starts:
+                starts[s_] = self.emit(relax.op.astype(s_, "int32"), "seqstart")
+                done.append(f"{_name(s_)} cast from {dt} to int32")
+        ragged = call
+        if done:
+            args = [q, k_, v_, *(starts.get(s_, s_) for s_ in (start_q, start_k)), *call.args[5:]]
+            ragged = self.builder_.normalize(
+                relax.Call(call.op, args, attrs, call.ty_args, call.span)
+            )
+        refused = ragged_refusal(ragged, self.options)
+        if refused is None:
+            if ragged is call:
+                return call
+            ragged, tag = self.log.tagged(ragged, call)
+            self.log.sites.append(
+                (
+                    "ragged_operands",
+                    tag,
+                    f"attention_var_len kept for the ragged kernel (the SM80-class kernel, "
+                    f"which reads equal head counts and int32 offsets only): {'; '.join(done)}",
+                )
+            )
+            self.log.counts["ragged_operands"] += 1
+            return ragged
+        if not start_q.same_as(start_k) or _ndim(start_q) != 1:
             return call
         if _ints(qs.values[:1]) != [1]:
             return call  # packed tokens are one batch entry
@@ -1310,11 +1352,10 @@ class _Local(relax.PyExprMutator):
             "ragged_mask",
         )
         mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "ragged_mask")
-        k, v = self.all_heads(q, k, v)
         # within a block queries and keys are one sequence: TopLeft is BottomRight there
         att, tag = self.log.tagged(
             relax.op.nn.attention(
-                q, k, v, mask, attrs.scale, causal_mask=None if causal == "none" else "TopLeft"
+                q, k_, v_, mask, attrs.scale, causal_mask=None if causal == "none" else "TopLeft"
             )
         )
         extra = f", window_size={w}" if w is not None else ""
@@ -1323,8 +1364,9 @@ class _Local(relax.PyExprMutator):
                 "var_len",
                 tag,
                 f"attention_var_len ({causal}{extra}) written as one attention over the packed "
-                "tokens with a block-diagonal mask computed from seqstart: TVM cannot legalize "
-                "attention_var_len; the mask is tokens x tokens",
+                "tokens with a block-diagonal mask computed from seqstart (the mask is tokens x "
+                f"tokens): TVM cannot legalize attention_var_len, and the ragged kernel refuses "
+                f"it: {refused}",
             )
         )
         self.log.counts["var_len"] += 1
@@ -1788,13 +1830,13 @@ def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.RemoveRedundantReshape()(mod)
 
 
-def _run_local(mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> tvm.IRModule:
+def _run_local(mod: tvm.IRModule, log: _Log, options: CompileOptions, gqa: bool) -> tvm.IRModule:
     for _ in range(MAX_ROUNDS):
         before = sum(log.counts.values())
         out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
-                out[gv] = _Local(mod, log, combine, gqa).visit_expr(func)
+                out[gv] = _Local(mod, log, options, gqa).visit_expr(func)
         mod = _simplify(out)
         if sum(log.counts.values()) == before:
             break
@@ -1803,7 +1845,7 @@ def _run_local(mod: tvm.IRModule, log: _Log, combine: bool, gqa: bool) -> tvm.IR
 
 def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
     """rewrite tag -> (function, index among its attention calls, binding name); the index
-    is the one partition's site ids use (binding order)."""
+    is the one partition's site ids use (binding order, ragged batches among them)."""
     out: dict[str, tuple[str, int, str]] = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function):
@@ -1811,7 +1853,7 @@ def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
         n = 0
         for block in func.body.blocks:
             for b in block.bindings:
-                if _op(b.value) in ATTENTION_OPS:
+                if _op(b.value) in SITE_OPS:
                     tag = _tag_of(b.value)
                     if tag is not None:
                         out[tag] = (gv.name_hint, n, str(b.var.name))
@@ -1833,7 +1875,7 @@ def normalize(
         rewrites.append(Rewrite(rewrite="dataflow", message="bindings moved into dataflow blocks"))
     mod = relax.transform.EliminateCommonSubexpr()(mod)  # three reshape(x) -> one
     gqa = arch is not None and arch.rstrip("a") == "sm_90"
-    mod = _run_local(mod, log, combine=options.fuse_stacked, gqa=gqa)
+    mod = _run_local(mod, log, options, gqa=gqa)
     if options.offload_gemm and options.fuse_stacked:  # both say "combine", as combine_qkv
         mod = _combine_projections(mod, log)
     if options.offload_gemm and gqa:  # sm_90: the paired SwiGLU GEMM is a Hopper kernel
