@@ -176,9 +176,9 @@ def ragged_attention_module(
     into views) or ``separate`` (``q``, ``k``, ``v`` inputs ``[1, T, N|Nkv, H]``). ``seqstart``:
     ``cumsum`` (serving platforms' form: int32 ``lengths[B]`` in,
     ``seqstart = concat([0], cumsum(lengths))`` and ``max_seqlen = max(lengths)`` in the
-    graph) or ``input`` (``seqstart[B + 1]`` and ``max_seqlen[]`` inputs). ``seqstart_k``: keys
-    delimited by an offsets tensor of their own (``lengths_k`` / ``seqstart_k``; with
-    ``separate``, K and V then have their own token count ``tokens_k``).
+    graph) or ``input`` (``seqstart[starts]`` and ``max_seqlen[]`` inputs, ``starts = B + 1``).
+    ``seqstart_k``: keys delimited by an offsets tensor of their own (``lengths_k`` /
+    ``seqstart_k``; with ``separate``, K and V then have their own token count ``tokens_k``).
     """
     n_kv = n if n_kv is None else n_kv
     widths = {"q": n * h, "k": n_kv * h, "v": n_kv * h}
@@ -193,12 +193,13 @@ def ragged_attention_module(
             v = R.arg("v", R.Tensor((1, tk, n_kv, h), dtype))
         else:
             qkv = R.arg("qkv", R.Tensor((1, t, sum(widths.values())), dtype))
-        b = tvm.tirx.Var("batch", "int64")
         roles = ("", "_k") if seqstart_k else ("",)
         if seqstart == "cumsum":
+            b = tvm.tirx.Var("batch", "int64")
             lengths = [R.arg(f"lengths{r}", R.Tensor((b,), "int32")) for r in roles]
-        else:
-            starts = [R.arg(f"seqstart{r}", R.Tensor((b + 1,), "int32")) for r in roles]
+        else:  # B + 1 offsets: a dim of its own (a module defines each symbolic dim by one)
+            b1 = tvm.tirx.Var("starts", "int64")
+            starts = [R.arg(f"seqstart{r}", R.Tensor((b1,), "int32")) for r in roles]
             longest = [R.arg(f"max_seqlen{r}", R.Tensor((), "int32")) for r in roles]
         with R.dataflow() as frame:
             if seqstart == "cumsum":

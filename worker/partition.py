@@ -14,6 +14,7 @@ still offloads the attention alone where it can, and the report shows both facts
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -720,7 +721,7 @@ def _check_ragged(
     sequences = (
         dim_value(extent) - 1  # type: ignore[operator]
         if isinstance(dim_value(extent), int)
-        else str(_analyzer.simplify(extent - 1))[:64]
+        else re.sub(r"T\.int(?:32|64)\((-?\d+)\)", r"\1", str(_analyzer.simplify(extent - 1)))[:64]
     )
     an.ragged = Ragged(
         seqstart_q=name_of(start_q), seqstart_k=name_of(start_k), sequences=sequences
