@@ -1,10 +1,12 @@
 """Patterns, checks with reasons, and the report entries they produce.
 
-Every ``R.nn.attention`` call in the module is a *site*. Before matching, each site's call is
-tagged with a span naming it (spans survive ``FuseOpsByPattern``), so a fused function can be
-traced back to the site it came from. Patterns are tried in :data:`PATTERN_ORDER`: stacked
-first (the #14608 review asked whether order matters; it does: TVM tries earlier entries first,
-and plain attention would otherwise claim the call and leave split/reshape kernels behind).
+Every ``R.nn.attention`` call in the module is a *site*, and so is every
+``R.nn.attention_var_len`` (a ragged batch, which the SM80-class kernel takes). Before
+matching, each site's call is tagged with a span naming it (spans survive
+``FuseOpsByPattern``), so a fused function can be traced back to the site it came from.
+Patterns are tried in :data:`PATTERN_ORDER`: stacked first (the #14608 review asked whether
+order matters; it does: TVM tries earlier entries first, and plain attention would otherwise
+claim the call and leave split/reshape kernels behind).
 
 Each check is a named predicate with an expected and an actual value and a sentence a person can
 act on. A check that fails records a :class:`~worker.report.CheckFailure`; plain attention then
