@@ -7,11 +7,13 @@ Two halves, so a GPU machine with only a runtime TVM can run the check:
 
 The reference is independent of our kernels: q, k and v are cut out of the stacked tensor by
 PyTorch, and attention is computed in float32 (float64 on CPU for small cases) by plain matmul
-and softmax. ``tests/gpu/test_numerics.py`` runs the same cases under pytest where a GPU exists.
+and softmax; for a ragged batch (``R.nn.attention_var_len``), one sequence at a time over its own
+keys. ``tests/gpu/test_numerics.py`` runs the same cases under pytest where a GPU exists.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -27,7 +29,7 @@ TOLERANCE = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-3}
 @dataclass
 class Case:
     name: str
-    kind: str  # "stacked" | "plain"
+    kind: str  # "stacked" | "plain" | "ragged" (b: sequences, s: their total tokens)
     b: int | str
     s: int
     n: int
@@ -324,6 +326,90 @@ CASES: list[Case] = [
     Case(
         "split_fp16_s4096_h128_causal_b1", "stacked", 1, 4096, 16, 128, 128, {"causal": "TopLeft"}
     ),
+    # ragged batches (attention_var_len) on the SM80-class kernel's seqstart path, every arch:
+    # lengths of 1, of 64 and off a 64-row tile; seqstart computed from the lengths or given;
+    # the packed stacked tensor or separate q/k/v; causal masks within each sequence; GQA
+    # (K/V repeated in the graph); keys with offsets of their own; head dim 256 (the output
+    # accumulated in a workspace); float32
+    Case("ragged_fp16_split", "ragged", 5, 345, 8, 64, module={"lens": [1, 63, 64, 200, 17]}),
+    Case(
+        "ragged_fp16_split_causal_bottomright",
+        "ragged",
+        5,
+        345,
+        8,
+        64,
+        module={"lens": [1, 63, 64, 200, 17], "causal": "BottomRight"},
+    ),
+    Case(
+        "ragged_bf16_split_seqstart_input_causal_topleft",
+        "ragged",
+        4,
+        213,
+        8,
+        128,
+        module={
+            "lens": [130, 1, 77, 5],
+            "dtype": "bfloat16",
+            "seqstart": "input",
+            "causal": "TopLeft",
+        },
+    ),
+    Case(
+        "ragged_bf16_slice",
+        "ragged",
+        3,
+        150,
+        4,
+        64,
+        module={"lens": [50, 1, 99], "dtype": "bfloat16", "layout": "strided_slice"},
+    ),
+    Case(
+        "ragged_fp16_separate_gqa_q16_kv4_causal",
+        "ragged",
+        3,
+        134,
+        16,
+        64,
+        module={"lens": [1, 100, 33], "layout": "separate", "n_kv": 4, "causal": "TopLeft"},
+        expect="plain",
+    ),
+    Case(
+        "ragged_bf16_separate_seqstart_k_bottomright",
+        "ragged",
+        3,
+        54,
+        8,
+        64,
+        module={
+            "lens": [3, 50, 1],
+            "lens_k": [10, 50, 70],
+            "layout": "separate",
+            "seqstart_k": True,
+            "dtype": "bfloat16",
+            "causal": "BottomRight",
+        },
+        expect="plain",
+    ),
+    Case(
+        "ragged_fp16_split_h256_causal",
+        "ragged",
+        3,
+        195,
+        4,
+        256,
+        module={"lens": [1, 65, 129], "causal": "TopLeft"},
+    ),
+    Case(
+        "ragged_fp32_separate",
+        "ragged",
+        3,
+        48,
+        4,
+        32,
+        module={"lens": [7, 1, 40], "layout": "separate", "dtype": "float32"},
+        expect="plain",
+    ),
     # GQA/MQA sites left to TVM (here: forced onto the SM80 kernel, which takes no GQA): build.py
     # repeats K and V up to the query heads first, without which TVM's own attention reads K/V by
     # the query head (relative error ~1)
@@ -352,6 +438,9 @@ CASES: list[Case] = [
         options={"kernel": "sm80"},
     ),
 ]
+
+#: the ragged batches: ``build OUT ragged`` builds these
+RAGGED_CASES = tuple(c.name for c in CASES if c.kind == "ragged")
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
 HOPPER_CASES = (
@@ -400,8 +489,11 @@ HOPPER_CASES = (
 # build (needs the full toolchain; no GPU)
 # --------------------------------------------------------------------------------------------
 def module_for(case: Case) -> Any:
-    from tests.models import attention_module, stacked_attention_module
+    from tests.models import attention_module, ragged_attention_module, stacked_attention_module
 
+    if case.kind == "ragged":
+        kwargs = {k: v for k, v in case.module.items() if k not in ("lens", "lens_k")}
+        return ragged_attention_module(case.n, case.h, **kwargs)
     if case.kind == "plain":
         return attention_module(
             case.b,  # type: ignore[arg-type]
@@ -501,6 +593,8 @@ def reference(case: Case, inputs: list[Any]) -> list[Any]:
     """Attention by plain PyTorch ops in float32 (independent of any fused kernel)."""
     import torch
 
+    if case.kind == "ragged":
+        return [_ragged_reference(case, inputs)]
     m = case.module
     h, hv, n = case.h, case.hv, case.n
     n_kv = m.get("n_kv", n)
@@ -543,6 +637,67 @@ def reference(case: Case, inputs: list[Any]) -> list[Any]:
     return [out]
 
 
+def _attend(q: Any, k: Any, v: Any, causal: str | None, scale: float) -> Any:
+    """softmax(scale q k^T, causal) v in float32 on ``[B, S, N, H]``, K/V heads equal to Q's."""
+    import torch
+
+    qt, kt, vt = (t.float().transpose(1, 2) for t in (q, k, v))
+    score = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if causal:
+        sq, skv = score.shape[-2], score.shape[-1]
+        i = torch.arange(sq, device=score.device)[:, None]
+        j = torch.arange(skv, device=score.device)[None, :]
+        score = score.masked_fill(j > i + (0 if causal == "TopLeft" else skv - sq), float("-inf"))
+    return torch.matmul(torch.softmax(score, dim=-1), vt).transpose(1, 2)
+
+
+def _ragged_reference(case: Case, inputs: list[Any]) -> Any:
+    """Each sequence over its own keys (BottomRight: the diagonal at its last key), the
+    sequences' outputs packed again: ``[1, T, N, H]``."""
+    import torch
+
+    m = case.module
+    n, h = case.n, case.h
+    n_kv = m.get("n_kv", n)
+    lens, lens_k = m["lens"], m.get("lens_k", m["lens"])
+    if m.get("layout", "split") == "separate":
+        q, k, v = inputs[:3]
+    else:
+        qkv, t = inputs[0], inputs[0].shape[1]
+        q = qkv[..., : n * h].reshape(1, t, n, h)
+        k = qkv[..., n * h : (n + n_kv) * h].reshape(1, t, n_kv, h)
+        v = qkv[..., (n + n_kv) * h :].reshape(1, t, n_kv, h)
+    k, v = k.repeat_interleave(n // n_kv, dim=2), v.repeat_interleave(n // n_kv, dim=2)
+    out, sq, sk = [], 0, 0
+    for lq, lk in zip(lens, lens_k, strict=True):
+        qs, ks, vs = q[:, sq : sq + lq], k[:, sk : sk + lk], v[:, sk : sk + lk]
+        out.append(_attend(qs, ks, vs, m.get("causal"), 1.0 / math.sqrt(h)))
+        sq, sk = sq + lq, sk + lk
+    return torch.cat(out, dim=1).to(inputs[0].dtype)
+
+
+def _ragged_inputs(case: Case, torch: Any, dev: str, rnd: Any) -> list[Any]:
+    """The module's inputs in its argument order: the packed tokens (or q, k, v), then the
+    lengths, or seqstart and max_seqlen, of the queries (and of the keys, ``seqstart_k``)."""
+    m = case.module
+    n, h, n_kv = case.n, case.h, case.module.get("n_kv", case.n)
+    lens = [m["lens"], m["lens_k"]] if m.get("seqstart_k") else [m["lens"]]
+    t, tk = sum(lens[0]), sum(lens[-1])
+    if m.get("layout", "split") == "separate":
+        out = [rnd(1, t, n, h), rnd(1, tk, n_kv, h), rnd(1, tk, n_kv, h)]
+    else:
+        out = [rnd(1, t, (n + 2 * n_kv) * h)]
+
+    def i32(values: list[int]) -> Any:
+        return torch.tensor(values, dtype=torch.int32, device=dev)
+
+    if m.get("seqstart", "cumsum") == "cumsum":
+        return out + [i32(ln) for ln in lens]
+    starts = [i32([0, *itertools.accumulate(ln)]) for ln in lens]
+    longest = [torch.tensor(max(ln), dtype=torch.int32, device=dev) for ln in lens]
+    return out + starts + longest
+
+
 def _inputs(case: Case, torch: Any, dev: str) -> list[Any]:
     dt = getattr(torch, case.module.get("dtype", "float16"))
     b = case.b if isinstance(case.b, int) else case.run_batch
@@ -552,6 +707,8 @@ def _inputs(case: Case, torch: Any, dev: str) -> list[Any]:
     def rnd(*shape: int) -> Any:
         return (torch.randn(*shape, generator=g, device=dev) * 0.5).to(dt)
 
+    if case.kind == "ragged":
+        return _ragged_inputs(case, torch, dev, rnd)
     if case.kind == "stacked":
         n_kv = case.module.get("n_kv", case.n)
         width = case.n * case.h + n_kv * case.h + n_kv * case.hv
@@ -624,7 +781,9 @@ def main(argv: list[str]) -> int:
         kernel = "auto"
         if names and names[0].startswith("--kernel="):
             kernel = names.pop(0).split("=", 1)[1]
-        if kernel == "auto" and not names:
+        if names == ["ragged"]:
+            names = list(RAGGED_CASES)
+        elif kernel == "auto" and not names:
             names = list(HOPPER_CASES)
         if kernel == "sm80" and not names:
             names = [c.name for c in CASES if "gqa" not in c.name and "mqa" not in c.name]

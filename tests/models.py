@@ -159,6 +159,90 @@ def packed_mqa_module(
     return tvm.IRModule({"main": builder.get()})
 
 
+def ragged_attention_module(
+    n: int,
+    h: int,
+    *,
+    n_kv: int | None = None,
+    dtype: str = "float16",
+    causal: str | None = None,
+    layout: str = "split",
+    seqstart: str = "cumsum",
+    seqstart_k: bool = False,
+    window: int | None = None,
+    tokens: int | str = "tokens",
+) -> Any:
+    """A ragged batch: sequences of different lengths packed along the tokens of a batch of
+    one, then ``R.nn.attention_var_len``.
+
+    ``layout``: ``split`` or ``strided_slice`` (one packed ``qkv[1, T, (N + 2 Nkv) H]`` cut
+    into views) or ``separate`` (``q``, ``k``, ``v`` inputs ``[1, T, N|Nkv, H]``). ``seqstart``:
+    ``cumsum`` (serving platforms' form: int32 ``lengths[B]`` in,
+    ``seqstart = concat([0], cumsum(lengths))`` and ``max_seqlen = max(lengths)`` in the
+    graph) or ``input`` (``seqstart[starts]`` and ``max_seqlen[]`` inputs, ``starts = B + 1``).
+    ``seqstart_k``: keys delimited by an offsets tensor of their own (``lengths_k`` /
+    ``seqstart_k``; with ``separate``, K and V then have their own token count ``tokens_k``).
+    """
+    n_kv = n if n_kv is None else n_kv
+    widths = {"q": n * h, "k": n_kv * h, "v": n_kv * h}
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        t = tvm.tirx.Var(tokens, "int64") if isinstance(tokens, str) else tokens
+        tk = tvm.tirx.Var("tokens_k", "int64") if seqstart_k and layout == "separate" else t
+        if layout == "separate":
+            qkv = None
+            q = R.arg("q", R.Tensor((1, t, n, h), dtype))
+            k = R.arg("k", R.Tensor((1, tk, n_kv, h), dtype))
+            v = R.arg("v", R.Tensor((1, tk, n_kv, h), dtype))
+        else:
+            qkv = R.arg("qkv", R.Tensor((1, t, sum(widths.values())), dtype))
+        roles = ("", "_k") if seqstart_k else ("",)
+        if seqstart == "cumsum":
+            b = tvm.tirx.Var("batch", "int64")
+            lengths = [R.arg(f"lengths{r}", R.Tensor((b,), "int32")) for r in roles]
+        else:  # B + 1 offsets: a dim of its own (a module defines each symbolic dim by one)
+            b1 = tvm.tirx.Var("starts", "int64")
+            starts = [R.arg(f"seqstart{r}", R.Tensor((b1,), "int32")) for r in roles]
+            longest = [R.arg(f"max_seqlen{r}", R.Tensor((), "int32")) for r in roles]
+        with R.dataflow() as frame:
+            if seqstart == "cumsum":
+                starts, longest = [], []
+                for ln in lengths:
+                    ends = R.emit(R.cumsum(ln, axis=0))
+                    zero = R.zeros(R.shape([1]), "int32")
+                    starts.append(R.emit(R.concat((zero, ends), axis=0)))
+                    longest.append(R.emit(R.max(ln)))
+            if qkv is not None:
+                shapes = [[1, t, n, h], [1, t, n_kv, h], [1, t, n_kv, h]]
+                if layout == "split":
+                    parts = R.emit(R.split(qkv, [widths["q"], widths["q"] + widths["k"]], axis=2))
+                    pieces = [parts[i] for i in range(3)]
+                else:
+                    bounds = [0, widths["q"], widths["q"] + widths["k"], sum(widths.values())]
+                    pieces = [
+                        R.strided_slice(qkv, [2], [bounds[i]], [bounds[i + 1]]) for i in range(3)
+                    ]
+                q, k, v = (
+                    R.emit(R.reshape(p, R.shape(sh))) for p, sh in zip(pieces, shapes, strict=True)
+                )
+            out = R.emit(
+                R.nn.attention_var_len(
+                    q,
+                    k,
+                    v,
+                    starts[0],
+                    longest[0],
+                    starts[-1] if seqstart_k else None,
+                    longest[-1] if seqstart_k else None,
+                    causal_mask=causal,
+                    window_size=window,
+                )
+            )
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
 def to_json(mod: Any) -> str:
     return tvm.ir.save_json(mod)
 

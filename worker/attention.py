@@ -17,6 +17,8 @@ Causal = Literal["none", "TopLeft", "BottomRight"]
 
 #: bits per element of each supported dtype
 DTYPE_BITS: dict[str, int] = {"float16": 16, "bfloat16": 16, "float32": 32}
+#: an additive bias at or below this is "masked out": exp(-1e4) underflows to 0 in fp32
+MASKED = -1.0e4
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,19 @@ class BiasSpec:
 
 
 DYNAMIC = "?"
+
+
+@dataclass(frozen=True)
+class RaggedSpec:
+    """Sequences of different lengths packed one after another along the token axis of a batch
+    of one (``[1, T, ...]``), each attending to its own keys only; causal masks apply within
+    each sequence. ``seqstart_q`` and ``seqstart_k`` are the operands (int32 ``[B+1]``: each
+    sequence's first token, then the total) the kernel reads at run time; one operand when
+    queries and keys share it. The grid covers T query rows per sequence (``max_seqlen`` is a
+    device tensor, not read on the host): blocks past a sequence's end exit at once."""
+
+    seqstart_q: int
+    seqstart_k: int
 
 
 @dataclass(frozen=True)
@@ -71,25 +86,30 @@ class AttentionSpec:
     bias: BiasSpec | None = None
     packing: Literal["blocked", "per_head", "separate"] = "blocked"
     #: one entry per kernel argument before the output, in order: the shape of a tensor operand
-    #: (checked at run time), or None for a non-tensor argument the kernel ignores (TVM passes
-    #: symbolic reshape targets as R.Shape arguments)
+    #: (checked at run time), or None for an argument the kernel ignores (TVM passes symbolic
+    #: reshape targets as R.Shape arguments; a ragged site's max_seqlen tensors)
     operand_shapes: tuple[tuple[int | str, ...] | None, ...] = field(default_factory=tuple)
     #: a sliding window of W keys (with a causal mask): key j is seen from query i iff
     #: ``i + off - W < j <= i + off``, ``off`` 0 (TopLeft) or ``S_kv - S`` (BottomRight);
     #: flash-attention's ``window_size_left = W - 1``, ``right = 0``. None: no window
     window: int | None = None
+    #: set for ``attention_var_len``: ``batch`` is then 1 and ``seq_q`` / ``seq_kv`` count the
+    #: packed tokens of all sequences
+    ragged: RaggedSpec | None = None
 
     @property
     def elem_bits(self) -> int:
         return DTYPE_BITS[self.dtype]
 
     def fingerprint(self) -> str:
-        """Identical workloads share one kernel object: this names it. (A spec without a window
-        keeps the name it had before specs could hold one: its cached objects stay valid.)"""
-        doc = asdict(self)
-        if doc["window"] is None:
-            del doc["window"]
-        blob = json.dumps(doc, sort_keys=True, default=str)
+        """Identical workloads share one kernel object: this names it. ``window`` and ``ragged``
+        count only where set: a spec with neither keeps the name it had before specs could hold
+        them, so the symbols (and cached objects) of other sites do not depend on them."""
+        fields = asdict(self)
+        for optional in ("window", "ragged"):
+            if fields[optional] is None:
+                del fields[optional]
+        blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -370,6 +370,8 @@ def supports(spec: AttentionSpec, arch: str) -> str | None:
     """None when the Hopper kernel can run ``spec`` on ``arch``; else what stands in the way."""
     if not _is_sm90(arch):
         return f"target arch {arch} is not sm_90; the Hopper kernel needs an H100/H200 (sm_90a)"
+    if spec.ragged is not None:
+        return "a ragged batch (seqstart): the Hopper kernel reads sequences of one length"
     if spec.dtype not in _ELEM_BYTES:
         return f"dtype {spec.dtype} is not float16/bfloat16; the Hopper kernel has no fp32 path"
     if spec.bias is not None:

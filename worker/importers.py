@@ -39,6 +39,7 @@ import numpy as np
 
 from service.errors import InputError
 from worker import dynamic as dyn
+from worker.attention import MASKED
 from worker.toolchain import import_tvm
 
 PARAMS_SUFFIX = ".params.npz"
@@ -226,8 +227,6 @@ FOLD_MAX_BYTES = 16 * 1024 * 1024
 #: input-free attention biases up to this size are evaluated to see whether they are causal or
 #: all-true masks ([B, 1, S, S]: 256 MiB is float16 at B32 S2048)
 MASK_MAX_BYTES = 1024 * 1024 * 1024
-#: an additive bias at or below this is "masked out" (as worker.normalize.MASKED)
-_MASKED = -1.0e4
 
 
 def _dim_text(d: Any) -> int | str:
@@ -283,7 +282,7 @@ def mask_forms(bias: np.ndarray, causal: str = "none") -> set[str]:
     lengths is one form if some form fits every sample."""
     if bias.ndim != 4:
         return set()
-    keep = bias > _MASKED
+    keep = bias > MASKED
     if np.any(bias[keep] != 0.0):
         return set()
     sq, skv = bias.shape[2], bias.shape[3]

@@ -16,8 +16,12 @@ as a :class:`~worker.report.Rewrite`:
   the graph: TVM cannot legalize a window, and only the Hopper kernel reads one. On sm_90 the
   window is left for partition, which gives it to the Hopper kernel where that takes the site and
   hands the rest back to :func:`windows_as_masks` (this rewrite, with the reason);
-- ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` becomes one attention
-  with a block-diagonal mask computed from ``seqstart``: TVM cannot legalize it;
+- ``var_len``: ``attention_var_len`` on packed tokens ``[1, T, N, H]`` that the ragged kernel
+  (the SM80-class one, reading ``seqstart``) refuses becomes one attention with a
+  block-diagonal mask computed from ``seqstart``: TVM cannot legalize it. The report gives the
+  kernel's reason. Calls the kernel takes stay; ``ragged_operands`` repeats their grouped K/V
+  heads up to the query heads and casts integer seqstart tensors to int32 for it (it reads
+  equal head counts and int32 offsets only);
 - ``constant_mask``: a constant additive bias that is causal (or attends everywhere) becomes
   ``causal_mask`` (or no bias): the kernel masks without reading a tensor;
 - ``transpose_pairs``: ``permute_dims`` chains compose; identities vanish; a transpose is moved
@@ -69,6 +73,9 @@ from typing import Any
 import numpy as np
 
 from service.spec import CompileOptions
+from worker.attention import MASKED
+from worker.partition import ATTENTION_OPS as SITE_OPS
+from worker.partition import PartitionResult, partition, ragged_refusal, refused_windows, site_of
 from worker.report import Rewrite, Where
 from worker.toolchain import import_tvm
 
@@ -78,8 +85,6 @@ import tvm  # noqa: E402
 import tvm_ffi  # noqa: E402
 from tvm import ir, relax, tirx  # noqa: E402
 
-#: an additive bias at or below this is "masked out": exp(-1e4) underflows to 0 in fp32
-MASKED = -1.0e4
 #: the additive bias of a key outside a sliding window: finite in float16 (an all-masked row
 #: stays a number) and far below any score, so exp() of it is 0 in float32
 WINDOW_MASKED = -3.0e4
@@ -223,14 +228,15 @@ class _Local(relax.PyExprMutator):
         self,
         mod: tvm.IRModule,
         log: _Log,
-        combine: bool,
+        options: CompileOptions,
         gqa: bool,
         windows: WindowPolicy,
         only_windows: bool = False,
     ) -> None:
         super().__init__(mod)
         self.log = log
-        self.combine = combine
+        self.options = options
+        self.combine = options.fuse_stacked
         self.gqa = gqa
         self.windows = windows
         self.only_windows = only_windows
@@ -1288,21 +1294,57 @@ class _Local(relax.PyExprMutator):
         self.log.counts["sliding_window"] += 1
         return att
 
-    # ---- ragged batches -> one masked attention -------------------------------------------
+    # ---- ragged batches: the ragged kernel, else one masked attention ---------------------
     def var_len(self, call: relax.Call) -> Any:
-        """``attention_var_len(q, k, v, seqstart, max_seqlen)`` on packed tokens ``[1, T, N,
-        H]`` -> ``attention_bias`` over all T tokens with a block-diagonal mask computed in the
-        graph (token t is in sequence ``#{b : seqstart[b] <= t}``), the causal mask and the
-        window kept inside each block. TVM cannot legalize ``attention_var_len``; this form
-        builds everywhere and is exact, at T x T work and a T x T mask in memory (a kernel of
-        ours for ragged batches would take the packed form itself). Only where q and k share
-        one ``seqstart`` (each sequence its own keys)."""
+        """``attention_var_len(q, k, v, seqstart_q, seqstart_k, max_seqlen_q, max_seqlen_k)``
+        on packed tokens ``[1, T, N, H]``. TVM cannot legalize it. Kept for the SM80-class
+        kernel, which reads seqstart, wherever :func:`worker.partition.ragged_refusal` finds
+        nothing against it, with grouped K/V heads repeated up to the query heads and integer
+        seqstart tensors cast to int32 (that kernel reads equal head counts and int32 offsets
+        only). Elsewhere (a window, a layout or dtype the kernel
+        refuses, nothing offloaded: the validation reference) ``attention_bias`` over all T
+        tokens with a block-diagonal mask computed in the graph (token t is in sequence
+        ``#{b : seqstart[b] <= t}``), the causal mask and the window kept inside each block:
+        exact, at T x T work and a T x T mask in memory; only where q and k share one
+        ``seqstart`` (each sequence its own keys)."""
         q, k, v, start_q, start_k = call.args[:5]
         attrs = call.attrs
-        if not start_q.same_as(start_k):
-            return call
         qs = q.ty.shape
-        if not isinstance(qs, relax.ShapeExpr) or len(qs.values) != 4 or _ndim(start_q) != 1:
+        if not isinstance(qs, relax.ShapeExpr) or len(qs.values) != 4:
+            return call
+        k_, v_ = self.all_heads(q, k, v)
+        done = []
+        if k_ is not k:  # all_heads repeats static head counts only
+            nkv, nq = (int(x.ty.shape.values[2].value) for x in (k, q))
+            done.append(f"K and V repeated from {nkv} to {nq} heads")
+        starts = {}
+        for s_ in (start_q, start_k):
+            dt = _dtype(s_) if isinstance(s_.ty, relax.TensorType) else ""
+            if dt.startswith(("int", "uint")) and dt != "int32" and s_ not in starts:
+                starts[s_] = self.emit(relax.op.astype(s_, "int32"), "seqstart")
+                done.append(f"{_name(s_)} cast from {dt} to int32")
+        ragged = call
+        if done:
+            args = [q, k_, v_, *(starts.get(s_, s_) for s_ in (start_q, start_k)), *call.args[5:]]
+            ragged = self.builder_.normalize(
+                relax.Call(call.op, args, attrs, call.ty_args, call.span)
+            )
+        refused = ragged_refusal(ragged, self.options)
+        if refused is None:
+            if ragged is call:
+                return call
+            ragged, tag = self.log.tagged(ragged, call)
+            self.log.sites.append(
+                (
+                    "ragged_operands",
+                    tag,
+                    f"attention_var_len kept for the ragged kernel (the SM80-class kernel, "
+                    f"which reads equal head counts and int32 offsets only): {'; '.join(done)}",
+                )
+            )
+            self.log.counts["ragged_operands"] += 1
+            return ragged
+        if not start_q.same_as(start_k) or _ndim(start_q) != 1:
             return call
         if _ints(qs.values[:1]) != [1]:
             return call  # packed tokens are one batch entry
@@ -1336,11 +1378,10 @@ class _Local(relax.PyExprMutator):
             "ragged_mask",
         )
         mask = self.emit(relax.op.expand_dims(mask, [0, 1]), "ragged_mask")
-        k, v = self.all_heads(q, k, v)
         # within a block queries and keys are one sequence: TopLeft is BottomRight there
         att, tag = self.log.tagged(
             relax.op.nn.attention(
-                q, k, v, mask, attrs.scale, causal_mask=None if causal == "none" else "TopLeft"
+                q, k_, v_, mask, attrs.scale, causal_mask=None if causal == "none" else "TopLeft"
             )
         )
         extra = f", window_size={w}" if w is not None else ""
@@ -1349,8 +1390,9 @@ class _Local(relax.PyExprMutator):
                 "var_len",
                 tag,
                 f"attention_var_len ({causal}{extra}) written as one attention over the packed "
-                "tokens with a block-diagonal mask computed from seqstart: TVM cannot legalize "
-                "attention_var_len; the mask is tokens x tokens",
+                "tokens with a block-diagonal mask computed from seqstart (the mask is tokens x "
+                f"tokens): TVM cannot legalize attention_var_len, and the ragged kernel refuses "
+                f"it: {refused}",
             )
         )
         self.log.counts["var_len"] += 1
@@ -1817,7 +1859,7 @@ def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
 def _run_local(
     mod: tvm.IRModule,
     log: _Log,
-    combine: bool,
+    options: CompileOptions,
     gqa: bool,
     windows: WindowPolicy,
     only_windows: bool = False,
@@ -1827,7 +1869,7 @@ def _run_local(
         out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
-                local = _Local(mod, log, combine, gqa, windows, only_windows)
+                local = _Local(mod, log, options, gqa, windows, only_windows)
                 out[gv] = local.visit_expr(func)
         mod = _simplify(out)
         if sum(log.counts.values()) == before:
@@ -1837,7 +1879,7 @@ def _run_local(
 
 def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
     """rewrite tag -> (function, index among its attention calls, binding name); the index
-    is the one partition's site ids use (binding order)."""
+    is the one partition's site ids use (binding order, ragged batches among them)."""
     out: dict[str, tuple[str, int, str]] = {}
     for gv, func in mod.functions.items():
         if not isinstance(func, relax.Function):
@@ -1845,7 +1887,7 @@ def _attention_sites(mod: tvm.IRModule) -> dict[str, tuple[str, int, str]]:
         n = 0
         for block in func.body.blocks:
             for b in block.bindings:
-                if _op(b.value) in ATTENTION_OPS:
+                if _op(b.value) in SITE_OPS:
                     tag = _tag_of(b.value)
                     if tag is not None:
                         out[tag] = (gv.name_hint, n, str(b.var.name))
@@ -1875,8 +1917,28 @@ def windows_as_masks(
     as masks (the ``sliding_window`` rewrite, nothing else): ``refused`` gives a call's reason,
     or None for a window a kernel took."""
     log = _Log()
-    out = _run_local(mod, log, combine=False, gqa=False, windows=refused, only_windows=True)
+    # only the windows are visited: nothing combines, nothing else is rewritten
+    options = CompileOptions(fuse_stacked=False)
+    out = _run_local(mod, log, options, gqa=False, windows=refused, only_windows=True)
     return out, _site_rewrites(out, log)
+
+
+def partition_sites(mod: tvm.IRModule, options: CompileOptions, arch: str) -> PartitionResult:
+    """:func:`worker.partition.partition`, then the sliding windows no kernel took (normalize
+    leaves windows on sm_90 for the Hopper kernel, which does not take every site) written as
+    masks by :func:`windows_as_masks` (the reason in its message) and the patterns run again: a
+    window never reaches TVM's build, which cannot legalize it."""
+    result = partition(mod, options, arch)
+    refused = refused_windows(result) if options.normalize else {}
+    if not refused:
+        return result
+    assert result.tagged is not None
+    masked, rewrites = windows_as_masks(result.tagged, lambda call: refused.get(site_of(call)))
+    if not rewrites:
+        return result
+    again = partition(masked, options, arch)
+    again.rewrites = [*rewrites, *again.rewrites]
+    return again
 
 
 def normalize(
@@ -1899,7 +1961,7 @@ def normalize(
         # sm_90: the Hopper kernel reads windows, partition decides (windows_as_masks)
         return None if gqa and options.kernel != "sm80" else reason
 
-    mod = _run_local(mod, log, combine=options.fuse_stacked, gqa=gqa, windows=windows)
+    mod = _run_local(mod, log, options, gqa=gqa, windows=windows)
     if options.offload_gemm and options.fuse_stacked:  # both say "combine", as combine_qkv
         mod = _combine_projections(mod, log)
     if options.offload_gemm and gqa:  # sm_90: the paired SwiGLU GEMM is a Hopper kernel

@@ -1,10 +1,12 @@
 """Patterns, checks with reasons, and the report entries they produce.
 
-Every ``R.nn.attention`` call in the module is a *site*. Before matching, each site's call is
-tagged with a span naming it (spans survive ``FuseOpsByPattern``), so a fused function can be
-traced back to the site it came from. Patterns are tried in :data:`PATTERN_ORDER`: stacked
-first (the #14608 review asked whether order matters; it does: TVM tries earlier entries first,
-and plain attention would otherwise claim the call and leave split/reshape kernels behind).
+Every ``R.nn.attention`` call in the module is a *site*, and so is every
+``R.nn.attention_var_len`` (a ragged batch, which the SM80-class kernel takes). Before
+matching, each site's call is tagged with a span naming it (spans survive
+``FuseOpsByPattern``), so a fused function can be traced back to the site it came from.
+Patterns are tried in :data:`PATTERN_ORDER`: stacked first (the #14608 review asked whether
+order matters; it does: TVM tries earlier entries first, and plain attention would otherwise
+claim the call and leave split/reshape kernels behind).
 
 Each check is a named predicate with an expected and an actual value and a sentence a person can
 act on. A check that fails records a :class:`~worker.report.CheckFailure`; plain attention then
@@ -14,6 +16,7 @@ still offloads the attention alone where it can, and the report shows both facts
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,22 +33,33 @@ from tvm.relax.backend.patterns import (  # noqa: E402
     make_attention_pattern,
     make_stacked_attention_pattern,
 )
-from tvm.relax.dpl.pattern import DFPattern  # noqa: E402
+from tvm.relax.dpl.pattern import DFPattern, is_op, wildcard  # noqa: E402
 
 from worker.attention import (  # noqa: E402
     DTYPE_BITS,
     DYNAMIC,
+    MASKED,
     AttentionSpec,
     BiasSpec,
+    RaggedSpec,
     TensorAccess,
 )
-from worker.normalize import MASKED  # noqa: E402
-from worker.report import CheckFailure, Layout, Match, Rewrite, SiteReason, Where  # noqa: E402
+from worker.report import (  # noqa: E402
+    CheckFailure,
+    Layout,
+    Match,
+    Ragged,
+    Rewrite,
+    SiteReason,
+    Where,
+)
 
 CODEGEN = "cutlass"
 Fused = TypeVar("Fused")
 SITE_PREFIX = "stackfuse.site."
-ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias")
+VAR_LEN_OP = "relax.nn.attention_var_len"
+#: the calls that are attention sites; ragged batches (``attention_var_len``) among them
+ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias", VAR_LEN_OP)
 
 #: kernel limits of the SM80-class CUTLASS fMHA (kernel_forward.h) that the checks enforce
 MAX_HEAD_DIM = 256
@@ -64,6 +78,12 @@ class PatternDef:
     bias: bool
     pattern: DFPattern
     annotations: dict[str, DFPattern]
+    #: ``attention_var_len``: a ragged batch, read by the SM80-class kernel with seqstart
+    ragged: bool = False
+
+
+#: the argument names of ``attention_var_len`` after q, k and v, in the node's order
+_VAR_LEN_ARGS = ("seqstart_q", "seqstart_k", "max_seqlen_q", "max_seqlen_k")
 
 
 def _pattern_defs() -> list[PatternDef]:
@@ -75,10 +95,22 @@ def _pattern_defs() -> list[PatternDef]:
             pat, ann = make_stacked_attention_pattern(start_op=variant, with_bias=bias)
             name = f"{CODEGEN}.stacked_attention.{variant}" + ("_bias" if bias else "")
             defs.append(PatternDef(name, "stacked", variant, bias, pat, dict(ann)))
+        # the same views of one packed [1, T, C] tensor feeding attention_var_len
+        pat, ann = make_stacked_attention_pattern(start_op=variant)
+        ann = {k: v for k, v in ann.items() if k != "attention"}
+        ann.update({a: wildcard() for a in _VAR_LEN_ARGS})
+        pat = is_op(VAR_LEN_OP)(*pat.args, *(ann[a] for a in _VAR_LEN_ARGS))
+        name = f"{CODEGEN}.stacked_attention_var_len.{variant}"
+        ann["attention"] = pat
+        defs.append(PatternDef(name, "stacked", variant, False, pat, ann, ragged=True))
     for bias in (True, False):
         pat, ann = make_attention_pattern(with_bias=bias)
         name = f"{CODEGEN}.attention" + ("_bias" if bias else "")
         defs.append(PatternDef(name, "plain", "none", bias, pat, {**ann, "attention": pat}))
+    pat, ann = make_attention_pattern(var_len=True)
+    name = f"{CODEGEN}.attention_var_len"
+    ann = {**ann, "attention": pat}
+    defs.append(PatternDef(name, "plain", "none", False, pat, ann, ragged=True))
     return defs
 
 
@@ -91,7 +123,7 @@ def _interleaved_defs() -> list[PatternDef]:
     is a view): the kernel's operand is then rank 4 or 5 with batch and sequence leading, read
     at offsets 0, H, 2H with head stride 3H.
     """
-    from tvm.relax.dpl.pattern import is_op, is_tuple_get_item, wildcard
+    from tvm.relax.dpl.pattern import is_tuple_get_item
 
     defs: list[PatternDef] = []
     for form in ("interleaved", "interleaved_slice", "interleaved_5d"):
@@ -229,6 +261,8 @@ class Analysis:
     spec: AttentionSpec | None = None
     shapes: dict[str, list[int | str]] = field(default_factory=dict)
     order: str = "qkv"
+    #: the report's view of a ragged batch (names of the seqstart tensors, sequence count)
+    ragged: Ragged | None = None
 
     def fail(self, check: str, expected: object, actual: object, message: str) -> None:
         self.failures.append(Failure(check, str(expected), str(actual), message))
@@ -625,8 +659,91 @@ def analyze(
         seq_kv = facts["skv"]
     inputs = [ann["stacked_qkv"]] if pdef.kind == "stacked" else [q, k, v]
     packing = "blocked" if pdef.kind == "stacked" else "separate"
-    _finish_spec(an, facts, acc, seq_kv, inputs, bias, params, operand_index, packing)
+    ragged = _check_ragged(an, call, facts, operand_index) if pdef.ragged else None
+    if pdef.ragged and ragged is None:
+        return an
+    _finish_spec(an, facts, acc, seq_kv, inputs, bias, params, operand_index, packing, ragged)
     return an
+
+
+@dataclass
+class _RaggedOperands:
+    spec: RaggedSpec
+    #: the seqstart tensors (one when queries and keys share it), kernel arguments after q/k/v
+    seqstarts: list[relax.Expr]
+    #: the max_seqlen arguments: passed to the kernel, not read
+    ignored: list[relax.Expr]
+
+
+def _check_ragged(
+    an: Analysis,
+    call: relax.Call,
+    facts: dict[str, Any],
+    operand_index: Callable[[relax.Expr], int],
+) -> _RaggedOperands | None:
+    """The checks of ``attention_var_len`` beyond attention's own: packed tokens (a batch of
+    one), int32 seqstart tensors of rank 1, and equal head counts (the SM80-class kernel reads
+    no grouped heads; normalize repeats K and V up to the query heads for it)."""
+    q, k, v = call.args[:3]
+    start_q, start_k = call.args[3], call.args[4]
+    batches = [shape_of(t)[0] for t in (q, k, v)]  # type: ignore[index]
+    if any(dim_value(d) != 1 for d in batches):
+        an.fail(
+            "ragged_batch",
+            "1 (sequences packed along the token axis)",
+            [dim_label(d) for d in batches],
+            "attention_var_len reads q, k and v as [1, tokens, heads, head_dim]; a batch "
+            "dim other than 1 is not a packed ragged batch",
+        )
+    starts: dict[str, list[Any]] = {}
+    for label, t in (("seqstart_q", start_q), ("seqstart_k", start_k)):
+        ts = shape_of(t) if isinstance(t.ty, relax.TensorType) else None
+        dtype = dtype_of(t) if ts is not None else "not a tensor"
+        if ts is None or len(ts) != 1 or dtype != "int32":
+            an.fail(
+                "seqstart",
+                "an int32 tensor [sequences + 1]",
+                f"{dtype}, shape {[dim_label(d) for d in ts] if ts is not None else '?'}",
+                f"{label} must be an int32 tensor of rank 1 (each sequence's first token, then "
+                "the total): the kernel reads it as int32 at run time",
+            )
+            continue
+        starts[label] = ts
+        an.shapes[label] = [dim_label(d) for d in ts]
+    if len(starts) == 2:
+        a, b = starts["seqstart_q"][0], starts["seqstart_k"][0]
+        if isinstance(dim_value(a), int) and isinstance(dim_value(b), int) and not same_dim(a, b):
+            an.fail(
+                "seqstart",
+                "seqstart_q and seqstart_k of one extent",
+                f"{dim_label(a)} and {dim_label(b)}",
+                "seqstart_q and seqstart_k must count the same sequences",
+            )
+    if facts["nq"] != facts["nkv"]:
+        an.fail(
+            "num_heads",
+            f"num_kv_heads == num_q_heads ({facts['nq']})",
+            facts["nkv"],
+            f"{facts['nq']} query heads but {facts['nkv']} key/value heads: the SM80-class "
+            "kernel, the one that reads seqstart, takes equal head counts only",
+        )
+    if an.failures:
+        return None
+    extent = starts["seqstart_q"][0]
+    sequences = (
+        dim_value(extent) - 1  # type: ignore[operator]
+        if isinstance(dim_value(extent), int)
+        else re.sub(r"T\.int(?:32|64)\((-?\d+)\)", r"\1", str(_analyzer.simplify(extent - 1)))[:64]
+    )
+    an.ragged = Ragged(
+        seqstart_q=name_of(start_q), seqstart_k=name_of(start_k), sequences=sequences
+    )
+    seqstarts = [start_q] if start_q.same_as(start_k) else [start_q, start_k]
+    return _RaggedOperands(
+        RaggedSpec(operand_index(start_q), operand_index(start_k)),
+        seqstarts,
+        [a for a in call.args[5:7] if isinstance(a, relax.Var)],
+    )
 
 
 def _leak_failure(an: Analysis, leaks: list[tuple[str, str]] | None) -> None:
@@ -651,6 +768,7 @@ def _finish_spec(
     params: list[relax.Var] | None,
     operand_index: Callable[[relax.Expr], int],
     packing: str,
+    ragged: _RaggedOperands | None = None,
 ) -> None:
     """The alignment check, then ``an.spec``: shared by every pattern's analysis."""
     aligned = _check_alignment(
@@ -667,13 +785,16 @@ def _finish_spec(
         return
     if bias is not None:
         inputs = [*inputs, bias]
+    if ragged is not None:
+        inputs = [*inputs, *ragged.seqstarts]
     shapes: tuple[tuple[int | str, ...] | None, ...]
     if params is None:
         shapes = tuple(tuple(dim_value(d) for d in (shape_of(e) or [])) for e in inputs)
     else:
+        ignored = ragged.ignored if ragged is not None else []
         shapes = tuple(
             tuple(dim_value(d) for d in (shape_of(p_) or []))
-            if isinstance(p_.ty, relax.TensorType)
+            if isinstance(p_.ty, relax.TensorType) and not any(p_.same_as(x) for x in ignored)
             else None
             for p_ in params
         )
@@ -696,6 +817,7 @@ def _finish_spec(
         packing=packing,  # type: ignore[arg-type]
         operand_shapes=shapes,
         window=facts["window"],
+        ragged=ragged.spec if ragged is not None else None,
     )
 
 
@@ -976,13 +1098,13 @@ class PartitionResult:
                     shapes=sm.analysis.shapes,
                     bindings=sm.bindings,
                     scale=spec.scale,
-                    layout=layout_of(spec, sm.analysis.order),
+                    layout=layout_of(spec, sm.analysis.order, sm.analysis.ragged),
                 )
             )
         return out
 
 
-def layout_of(spec: AttentionSpec, order: str = "qkv") -> Layout:
+def layout_of(spec: AttentionSpec, order: str = "qkv", ragged: Ragged | None = None) -> Layout:
     def batch(a: TensorAccess, seq: int | str) -> int | str:
         return a.row_stride * seq if isinstance(seq, int) else f"{a.row_stride}*seq_len"
 
@@ -1000,6 +1122,7 @@ def layout_of(spec: AttentionSpec, order: str = "qkv") -> Layout:
         },
         order=order,
         packing=spec.packing,
+        ragged=ragged,
     )
 
 
@@ -1063,29 +1186,33 @@ def _kernel_check(an: Analysis, arch: str, preference: str) -> None:
         an.spec = None
 
 
-def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -> PartitionResult:
-    """Run the patterns over ``mod``: fused functions for sites that pass, failures for the rest.
-
-    A sliding window that no kernel took (normalize leaves windows on sm_90 for the Hopper
-    kernel, which does not take every site) is written as a mask by normalize's own rewrite
-    (:func:`worker.normalize.windows_as_masks`, the reason in its message) and the patterns run
-    again: a window never reaches TVM's build, which cannot legalize it."""
-    result = _partition(mod, options, arch)
-    refused = _refused_windows(result) if options.normalize else {}
-    if not refused:
-        return result
-    from worker.normalize import windows_as_masks
-
-    assert result.tagged is not None
-    masked, rewrites = windows_as_masks(result.tagged, lambda call: refused.get(site_of(call)))
-    if not rewrites:
-        return result
-    again = _partition(masked, options, arch)
-    again.rewrites = [*rewrites, *again.rewrites]
-    return again
+#: the pattern that takes every ``attention_var_len`` its analysis accepts, whatever the layout
+RAGGED_PLAIN = f"{CODEGEN}.attention_var_len"
 
 
-def _refused_windows(result: PartitionResult) -> dict[str | None, str]:
+def ragged_refusal(call: relax.Call, options: CompileOptions) -> str | None:
+    """Why ``call`` (``attention_var_len`` with its types known) cannot run as a ragged site on
+    the SM80-class kernel, or None. TVM cannot build a var-len call that no kernel takes, so
+    normalize keeps one only where this says None (else it writes a masked attention): the plain
+    ragged pattern takes every call its analysis accepts (the stacked one first, where q, k and
+    v are views of one packed tensor), and that analysis is the one run here."""
+    if not options.offload_plain:
+        return (
+            "options.offload_plain is off, and the plain ragged pattern is the one that takes "
+            "q, k and v in any layout"
+        )
+    if call.attrs.window_size is not None:
+        return (
+            f"window_size={int(call.attrs.window_size.value)}: sliding-window attention is not "
+            "supported by the ragged kernel (the SM80-class fMHA reads no window)"
+        )
+    an = analyze(PATTERNS[RAGGED_PLAIN], {"attention": call}, lambda e: 0)
+    if an.ok:
+        return None
+    return "; ".join(dict.fromkeys(f.message for f in an.failures))
+
+
+def refused_windows(result: PartitionResult) -> dict[str | None, str]:
     """site id -> why no kernel took it, for each windowed site that no pattern fused (the
     window's own check first)."""
     fused = {sm.site for sm in result.fused}
@@ -1101,7 +1228,10 @@ def _refused_windows(result: PartitionResult) -> dict[str | None, str]:
     return out
 
 
-def _partition(mod: tvm.IRModule, options: CompileOptions, arch: str) -> PartitionResult:
+def partition(mod: tvm.IRModule, options: CompileOptions, arch: str = "sm_90") -> PartitionResult:
+    """Run the patterns over ``mod``: fused functions for sites that pass, failures for the rest.
+    (:func:`worker.normalize.partition_sites` runs this and writes the sliding windows no kernel
+    took as masks.)"""
     mod, sites = tag_sites(mod)
     failures: dict[tuple[str, str, str], CheckFailure] = {}
     covered: dict[tuple[str, str], list[str]] = {}
@@ -1186,19 +1316,19 @@ def _unbuildable(
 ) -> list[tuple[str | None, CheckFailure]]:
     """Attention TVM's legalization refuses: sliding windows ("Legalization for sliding-window
     attention is not supported yet") and ``attention_var_len`` ("Legalization of
-    attention_var_len op is not supported yet"). Each with its site id (None for var-len calls,
-    which are not sites: no pattern takes them); a window counts only where no kernel took it."""
+    attention_var_len op is not supported yet"), each with its site id; the caller keeps those
+    no kernel took."""
     out: list[tuple[str | None, CheckFailure]] = []
-    for gv, func in mod.functions.items():
+    for func in mod.functions.values():
         if not isinstance(func, relax.Function):
             continue
-        n_var_len = 0
         for block in func.body.blocks:
             for b in block.bindings:
                 call = b.value
                 if not isinstance(call, relax.Call) or not isinstance(call.op, ir.Op):
                     continue
-                if call.op.name in ATTENTION_OPS and call.attrs.window_size is not None:
+                windowed = call.op.name in ATTENTION_OPS and call.op.name != VAR_LEN_OP
+                if windowed and call.attrs.window_size is not None:
                     _, causal, window = attention_attrs(call)
                     if not options.normalize:
                         why = "options.normalize is off, which would write it as a masked attention"
@@ -1224,35 +1354,33 @@ def _unbuildable(
                             ),
                         )
                     )
-                elif call.op.name == "relax.nn.attention_var_len":
-                    fn = gv.name_hint[:128]
+                elif call.op.name == VAR_LEN_OP:
+                    sid = site_of(call)
                     out.append(
                         (
-                            None,
+                            sid,
                             CheckFailure(
-                                where=Where(
-                                    function=fn,
-                                    site=f"{fn}/attention_var_len#{n_var_len}",
-                                    binding=name_of(b.var),
-                                ),
+                                where=_where_for(sites, sid),
                                 pattern=TVM_FALLBACK,
                                 check="var_len",
-                                expected="a form normalize writes as a masked attention",
+                                expected="a ragged kernel, or a form normalize writes as a "
+                                "masked attention",
                                 actual="R.nn.attention_var_len",
                                 message="variable-length attention (R.nn.attention_var_len) is "
                                 "taken by no kernel here and TVM cannot build it; "
                                 + (
-                                    "options.normalize is off, which would write it as one "
-                                    "masked attention"
+                                    "options.normalize is off, which would repeat grouped K/V "
+                                    "heads for the ragged kernel or write it as one masked "
+                                    "attention"
                                     if not options.normalize
-                                    else "normalize writes it as one masked attention only "
-                                    "for tokens packed as [1, T, N, H] with one seqstart for "
-                                    "queries and keys"
+                                    else "the ragged kernel refused it (see this site's check "
+                                    "failures), and normalize writes it as one masked "
+                                    "attention only for tokens packed as [1, T, N, H] with one "
+                                    "seqstart for queries and keys"
                                 ),
                             ),
                         )
                     )
-                    n_var_len += 1
     return out
 
 
@@ -1538,6 +1666,32 @@ def _plain_reason(call: relax.Call, values: dict[Any, Any], failures: list[str])
     )
 
 
+def _ragged_reason(call: relax.Call, values: dict[Any, Any], failures: list[str]) -> str:
+    """:func:`_plain_reason` for a ragged batch (``attention_var_len``), which has no bias."""
+    traced = [_trace_to_cut(a, values) for a in call.args[:3]]
+    repeated = [n for n, (_, ops) in zip("qkv", traced, strict=True) if set(ops) & REPEAT_OPS]
+    computed = [n for n, (_, ops) in zip("qkv", traced, strict=True) if set(ops) - REPEAT_OPS]
+    if repeated:
+        why = (
+            f"{' and '.join(repeated)} repeated up to the query heads: the SM80-class kernel, "
+            "the one that reads seqstart, takes equal head counts only"
+        )
+    elif computed:
+        why = f"{', '.join(computed)} computed, not views of one packed tensor"
+    elif all(cut for cut, _ in traced):
+        why = (
+            "q, k and v are views of one packed tensor, but no stacked pattern (split -> "
+            "reshape -> attention_var_len) accepted them: "
+            + ("; ".join(dict.fromkeys(failures)) or "see check_failures for this site")
+        )
+    else:
+        why = "q, k and v are separate tensors"
+    return (
+        f"a ragged batch (attention_var_len): {why}; fused as plain attention over the packed "
+        "tokens, each sequence on its own keys (seqstart)"
+    )
+
+
 def _view_ops(expr: Any, values: dict[Any, Any]) -> list[str]:
     """The view operators other than ``reshape`` between a split/slice and ``expr``: the
     stacked patterns take q, k and v as reshapes of the split's parts."""
@@ -1624,7 +1778,9 @@ def site_reasons(tagged: tvm.IRModule, result: PartitionResult) -> list[SiteReas
                 continue
             where = _where_for(result.sites, sid)
             if kinds.get(sid) == "plain":
-                reason = _plain_reason(value, values, failed.get(where.site, []))
+                reason = (_ragged_reason if _op_name(value) == VAR_LEN_OP else _plain_reason)(
+                    value, values, failed.get(where.site, [])
+                )
                 out.append(SiteReason(where=where, outcome="fused_plain", reason=reason))
                 continue
             why = "; ".join(dict.fromkeys(failed.get(where.site, []))) or "no pattern matched"

@@ -146,7 +146,6 @@ def compile_module(
             lift,
             normalize,
             nvcc,
-            partition,
             selection,
             validate,
         )
@@ -161,7 +160,7 @@ def compile_module(
         say("partition")
         with timed("partition"):
             attention_weights = _weights_by_site(mod, gemm=False)
-            result = partition.partition(mod, options, target.arch)
+            result = normalize.partition_sites(mod, options, target.arch)
             report.normalizations.extend(result.rewrites)
             gemm_weights = _weights_by_site(result.mod, gemm=True)
             gemms = gemm_partition.partition_gemms(result.mod, options, target.arch)

@@ -32,6 +32,16 @@ class Where(BaseModel):
     binding: str = Field(description="Name of the variable the attention result is bound to.")
 
 
+class Ragged(BaseModel):
+    """A ragged batch (``R.nn.attention_var_len``): sequences of different lengths packed one
+    after another along the token axis of a batch of one. The kernel reads where each sequence
+    starts from ``seqstart`` at run time and attends within each sequence."""
+
+    seqstart_q: str = Field(description="The int32 [B+1] tensor of query offsets, by its name.")
+    seqstart_k: str = Field(description="Key offsets: the same name when queries share them.")
+    sequences: Dim = Field(description="B: seqstart's extent less one.")
+
+
 class Layout(BaseModel):
     """How the kernel addresses Q, K and V: element offsets from each operand's base pointer and
     element strides per row (sequence position), head and batch."""
@@ -45,6 +55,9 @@ class Layout(BaseModel):
     batch_stride: dict[str, Dim] = Field(description="q/k/v stride between batch entries.")
     order: str = Field(default="qkv", description="Order of the blocks in the stacked row.")
     packing: Literal["blocked", "per_head", "separate"] = "blocked"
+    ragged: Ragged | None = Field(
+        default=None, description="Set for a ragged batch: one batch entry of packed sequences."
+    )
 
 
 class UserNames(BaseModel):
@@ -367,6 +380,8 @@ def _kernel_text(kernel: KernelChoice | None) -> str:
 def match_verdict(m: Match) -> str:
     what = {"stacked": "stacked-QKV attention", "plain": "attention"}[m.kind]
     reads = ", reading Q, K and V in place from the stacked tensor" if m.kind == "stacked" else ""
+    if m.layout.ragged is not None:
+        reads += ", each packed sequence attending to its own keys (seqstart)"
     if m.kernel is None:
         return f"Fused {what}{_named(m.names)}: {_kernel_text(None)}."
     return f"Fused {what}{_named(m.names)}: {_kernel_text(m.kernel)}{reads}."

@@ -5,6 +5,9 @@ and var-len modules), rebuilt here with our own builder code.
 Each form is normalized, partitioned (sites found, fused stacked or plain) and, on the CPU, the
 normalized module built with LLVM is checked against the original (or numpy, where TVM cannot
 build the original). Forms TVM cannot build and no rewrite takes fail the job before codegen.
+Var-len forms the ragged kernel takes have no CPU build: their numerics here are those of the
+validation reference (nothing offloaded: the masked rewrite); ``test_ragged.py`` covers the
+ragged sites themselves.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ from service.settings import Settings
 from service.spec import CompileOptions, Target
 from tests.models import R, T, to_json, tvm
 from worker.build import expand_kv_heads
-from worker.normalize import normalize
+from worker.normalize import normalize, partition_sites
 from worker.partition import PartitionResult, partition
 from worker.pipeline import REPORT_NAME, compile_module
 from worker.selection import select_kernel
+from worker.validate import reference_options
 
 OPTS = CompileOptions()
+#: what the validation reference is normalized with: nothing offloaded
+REFERENCE = reference_options(OPTS)
 
 
 def _run(mod: Any, args: list[np.ndarray]) -> np.ndarray:
@@ -483,7 +489,7 @@ def test_a_window_the_hopper_kernel_does_not_take_is_a_mask_with_the_reason(
     partition, by normalize's rewrite, where partition finds the refusal; else in normalize),
     the reason in the rewrite; nothing is left that TVM cannot build."""
     out, rewrites = normalize(window_module(64, 64, "TopLeft", 8, n=4, h=h), options, "sm_90")
-    result = partition(out, options, "sm_90")
+    result = partition_sites(out, options, "sm_90")
     m = _fused(result, "plain", True)
     assert m.causal == "TopLeft" and not result.unbuildable
     (rw,) = [r for r in [*rewrites, *result.rewrites] if r.rewrite == "sliding_window"]
@@ -510,7 +516,7 @@ def test_without_normalize_a_window_runs_only_where_a_kernel_reads_it() -> None:
     assert "options.normalize is off" in f.message
 
 
-# --- test_batched_var_len_*: ragged batches -> one masked attention ----------------------------
+# --- test_batched_var_len_*: ragged batches ------------------------------------------------------
 def var_len_module(nq: int, nkv: int, h: int, window: int | None) -> Any:
     """Upstream's var-len modules, ``seqstart`` given as an input (upstream computes it with
     thrust through ``call_dps_packed``, which a service refuses): packed ``[T, N*H]`` tokens,
@@ -543,21 +549,30 @@ def var_len_module(nq: int, nkv: int, h: int, window: int | None) -> Any:
     [([5, 3, 8], 8, 8, None), ([5, 3, 8], 8, 1, None), ([64, 64, 64], 4, 4, 8)],
     ids=["var_len", "var_len_multi_query", "var_len_sliding_window"],
 )
-def test_var_len_becomes_one_masked_attention(
-    lens: list[int], nq: int, nkv: int, window: int | None
-) -> None:
+def test_upstream_var_len_forms(lens: list[int], nq: int, nkv: int, window: int | None) -> None:
     """Upstream's three var-len tests (lengths 5/3/8 and 64 x 3, BottomRight, GQA, window 8),
-    at 8 heads in place of 128 (LLVM's build time grows with the unrolled head count)."""
+    at 8 heads in place of 128 (LLVM's build time grows with the unrolled head count): the
+    ragged kernel takes the first two (the multi-query one with K/V repeated: that kernel reads
+    equal head counts only), a window becomes one masked attention. The numerics are the
+    masked form's, which the validation reference runs."""
     h = 32
     mod = var_len_module(nq, nkv, h, window)
     out, rewrites = normalize(mod, OPTS, "sm_90")
-    rw = _rewrite(rewrites, "var_len")
-    assert "block-diagonal mask" in rw.message
-    assert rw.where is not None and rw.where.site == "main/attention#0"
-    assert "relax.nn.attention_var_len" not in _ops(out)
-    # GQA's K/V heads repeated: the Hopper kernel takes no mask, the SM80-class one no GQA
-    m = _fused(partition(out, OPTS, "sm_90"), "plain", True)
+    if window is None:
+        assert "var_len" not in [r.rewrite for r in rewrites]
+        assert ("ragged_operands" in [r.rewrite for r in rewrites]) == (nkv != nq)
+        m = _fused(partition(out, OPTS, "sm_90"), "plain", False)
+        assert m.pattern == "cutlass.attention_var_len" and m.layout.ragged is not None
+    else:
+        rw = _rewrite(rewrites, "var_len")
+        assert "block-diagonal mask" in rw.message and "sliding-window" in rw.message
+        assert rw.where is not None and rw.where.site == "main/attention#0"
+        assert "relax.nn.attention_var_len" not in _ops(out)
+        # the Hopper kernel takes no mask: the SM80-class kernel runs it
+        m = _fused(partition(out, OPTS, "sm_90"), "plain", True)
     assert m.shapes["k"][2] == nq
+    out, rewrites = normalize(mod, REFERENCE, "sm_90")
+    assert "options.offload_plain is off" in _rewrite(rewrites, "var_len").message
     seqs = [
         [_rnd((1, s, n, h), "float16", seed=10 * i + j) for j, n in enumerate((nq, nkv, nkv))]
         for i, s in enumerate(lens)
@@ -632,31 +647,39 @@ class Module:
 @pytest.mark.parametrize(
     ("lens", "window"), [([5, 3, 8], None), ([6, 10, 16], 4)], ids=["causal", "window"]
 )
-def test_a_ragged_batch_with_seqstart_from_cumsum_runs_as_masked_attention(
-    lens: list[int], window: int | None
-) -> None:
-    """Ingest (the service's checks) -> normalize (``var_len``) -> partition on sm_90 and
-    sm_80 -> LLVM build, against softmax attention of each sequence over its own tokens."""
+def test_a_ragged_batch_with_seqstart_from_cumsum(lens: list[int], window: int | None) -> None:
+    """Ingest (the service's checks) -> normalize -> partition on sm_90 and sm_80: the
+    ragged kernel reads the packed stacked tensor and the computed seqstart; with a window, one
+    masked attention (``var_len``). Then the masked form (the validation reference's) -> LLVM
+    build, against softmax attention of each sequence over its own tokens."""
     from worker import selection
     from worker.ingest import load_module
 
     n, h = RAGGED_N, RAGGED_H
     mod = load_module(to_json(ragged_module(window)), "tvm-json", Settings())
     out, rewrites = normalize(mod, OPTS, "sm_90")
-    rw = _rewrite(rewrites, "var_len")
-    assert rw.where is not None and rw.where.site == "main/attention#0"
-    assert "block-diagonal mask computed from seqstart" in rw.message
-    assert (f"window_size={window}" in rw.message) == (window is not None)
-    ops = _ops(out)
-    assert "relax.nn.attention_var_len" not in ops and "relax.cumsum" in ops  # TVM runs the scan
-    # one stacked site with the mask as its bias; the Hopper kernel takes no bias
-    for arch, why in (("sm_90", "an additive bias is present"), ("sm_80", "is not sm_90")):
+    assert "relax.cumsum" in _ops(out)  # TVM runs the scan
+    if window is None:
+        assert "var_len" not in [r.rewrite for r in rewrites]
+        pattern, bias, causal = "cutlass.stacked_attention_var_len.split", False, "BottomRight"
+        reasons = {"sm_90": "a ragged batch (seqstart)", "sm_80": "is not sm_90"}
+    else:
+        rw = _rewrite(rewrites, "var_len")
+        assert rw.where is not None and rw.where.site == "main/attention#0"
+        assert "block-diagonal mask computed from seqstart" in rw.message
+        assert f"window_size={window}" in rw.message
+        assert "relax.nn.attention_var_len" not in _ops(out)
+        pattern, bias, causal = "cutlass.stacked_attention.split_bias", True, "TopLeft"
+        reasons = {"sm_90": "an additive bias is present", "sm_80": "is not sm_90"}
+    # one stacked site; the Hopper kernel takes neither a mask nor a ragged batch
+    for arch, why in reasons.items():
         result = partition(out, OPTS, arch)
-        m = _fused(result, "stacked", True)
-        assert (m.pattern, m.causal) == ("cutlass.stacked_attention.split_bias", "TopLeft")
+        m = _fused(result, "stacked", bias)
+        assert (m.pattern, m.causal) == (pattern, causal)
         (ff,) = result.functions
         ks, reason = selection.select_kernel(ff.analysis.spec, arch, OPTS.kernel)  # type: ignore[arg-type]
         assert ks.family == "cutlass_fmha_sm80" and why in reason, reason
+    out, _ = normalize(mod, REFERENCE, "sm_90")
     seqs = [_rnd((1, s, 3 * n * h), "float16", seed=i) for i, s in enumerate(lens)]
     got = _run(out, [np.concatenate(seqs, axis=1), np.array(lens, "int32")])
     want = []
@@ -686,10 +709,12 @@ def _report(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("what", ["sliding_window", "var_len"])
 def test_unbuildable_attention_fails_the_job_before_codegen(what: str, tmp_path: Path) -> None:
-    if what == "sliding_window":  # at head dim 256: no Hopper variant takes a window there
+    """A window (at head dim 256: no Hopper variant takes a window there), or var-len attention
+    with a window (no kernel takes one), with normalize off."""
+    if what == "sliding_window":
         mod = window_module(64, 64, "BottomRight", 8, n=4, h=256)
     else:
-        mod = var_len_module(8, 8, 16, None)
+        mod = var_len_module(8, 8, 16, 8)
     with pytest.raises(CompileError) as err:
         _compile(mod, tmp_path, normalize=False)
     assert "TVM cannot build it" in err.value.message
@@ -708,7 +733,7 @@ def test_the_rewritten_site_is_fused_by_the_pipeline(what: str, tmp_path: Path) 
     if what == "sliding_window":
         mod, causal = window_module(64, 64, "BottomRight", 8, n=4, h=256), "BottomRight"
     else:
-        mod, causal = var_len_module(8, 8, 16, None), "TopLeft"
+        mod, causal = var_len_module(8, 8, 16, 8), "TopLeft"
     with pytest.raises(TimeLimitExceeded):  # nvcc had no time: the job got to codegen
         _compile(mod, tmp_path)
     doc = _report(tmp_path)
@@ -735,7 +760,7 @@ def test_a_window_the_hopper_kernel_takes_reaches_codegen_without_a_mask(tmp_pat
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_a_ragged_batch_is_fused_by_the_pipeline(arch: str, fmt: str, tmp_path: Path) -> None:
     """The report of a ragged batch whose seqstart is ``R.cumsum`` of its lengths, sent as
-    TVM JSON or TVMScript: the site rewritten (``var_len``) and fused stacked with its mask."""
+    TVM JSON or TVMScript: no rewrite, the site fused stacked on the ragged kernel."""
     payload = to_json(ragged_module(None)) if fmt == "tvm-json" else RAGGED_SCRIPT
     settings = Settings(data_dir=tmp_path / "d", kernel_cache_dir=tmp_path / "k", nvcc_timeout_s=0)
     with pytest.raises(TimeLimitExceeded):  # nvcc had no time: the job got to codegen
@@ -748,15 +773,16 @@ def test_a_ragged_batch_is_fused_by_the_pipeline(arch: str, fmt: str, tmp_path: 
             fmt=fmt,
         )
     doc = _report(tmp_path)
-    assert [r["rewrite"] for r in doc["normalizations"]] == ["var_len"]
+    assert doc["normalizations"] == []
     assert doc["summary"]["fused_stacked"] == 1 and doc["summary"]["not_offloaded"] == 0
     assert not doc["check_failures"] and not doc["site_reasons"]
     (m,) = doc["matches"]
     assert (m["pattern"], m["bias"], m["causal"]) == (
-        "cutlass.stacked_attention.split_bias",
-        True,
-        "TopLeft",
+        "cutlass.stacked_attention_var_len.split",
+        False,
+        "BottomRight",
     )
-    assert m["shapes"]["bias"] == [1, 1, "tokens", "tokens"]  # the tokens x tokens mask
+    assert "bias" not in m["shapes"]  # no tokens x tokens mask
+    assert m["layout"]["ragged"]["sequences"] == "batch"
     (site,) = doc["sites"]
     assert site["offloaded"] and site["verdict"].startswith("Fused stacked-QKV attention")

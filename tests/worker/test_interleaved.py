@@ -105,6 +105,7 @@ def test_interleaved_forms_fuse_with_per_head_offsets(form: str, pattern: str) -
         "batch_stride": {"q": row * s, "k": row * s, "v": row * s},
         "order": "qkv",
         "packing": "per_head",
+        "ragged": None,
     }
     # the kernel's operand is the packed [B, S, N, 3H] (or [B, S, N, 3, H]) view
     assert m.shapes["qkv"][:3] == [b, s, n]

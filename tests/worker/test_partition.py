@@ -62,6 +62,7 @@ def test_upstream_stacked_parametrizations_fuse_as_stacked(
         "batch_stride": {"q": row * s, "k": row * s, "v": row * s},
         "order": "qkv",
         "packing": "blocked",
+        "ragged": None,
     }
     assert m.shapes["qkv"] == [b, s, row]
     assert m.shapes["out"] == [b, s, n, h_v]
@@ -350,6 +351,7 @@ def test_packed_mqa_is_read_in_place_on_sm90(b: int | str, n_kv: int) -> None:
         "batch_stride": {r: row * 16 for r in "qkv"},
         "order": "qkv",
         "packing": "blocked",
+        "ragged": None,
     }
     assert m.shapes["k"][2] == n_kv
     (ff,) = res.functions
