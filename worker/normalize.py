@@ -1422,10 +1422,10 @@ class _Local(relax.PyExprMutator):
                 if name == "none" or causal in ("none", name):
                     new_causal = str(causal) if name == "none" else name
                 break
-        if new_causal is None:
-            return call
-        found = "none" if new_causal == causal else new_causal
         q, k, v = call.args[:3]
+        if new_causal is None:
+            return self.constant_window(call, keep, str(causal), list(arr.shape))
+        found = "none" if new_causal == causal else new_causal
         att, tag = self.log.tagged(
             relax.op.nn.attention(
                 q,
@@ -1441,6 +1441,46 @@ class _Local(relax.PyExprMutator):
         self.log.sites.append(("constant_mask", tag, f"constant {list(arr.shape)} mask {what}"))
         self.log.counts["constant_mask"] += 1
         return att
+
+    def constant_window(
+        self, call: relax.Call, keep: np.ndarray, causal: str, shape: list[int]
+    ) -> Any:
+        """A constant mask that keeps a causal band of W keys per query (transformers' Mistral
+        exports its sliding window so) -> ``attention(..., causal_mask, window_size=W)`` with no
+        bias, where a kernel reads windows (``self.windows`` leaves the window: the Hopper
+        kernel on sm_90, which reads float16 and bfloat16); elsewhere the constant mask stays,
+        which the SM80-class kernel reads."""
+        if _dtype(call) not in ("float16", "bfloat16"):  # no window kernel: the mask stays
+            return call
+        sq, skv = keep.shape
+        want = _causal_patterns(sq, skv)
+        for mode in ("TopLeft", "BottomRight"):
+            if causal not in ("none", mode) or not np.all(keep <= want[mode]):
+                continue
+            w = int(keep.sum(axis=1).max())
+            off = skv - sq if mode == "BottomRight" else 0
+            i, j = np.arange(sq)[:, None], np.arange(skv)[None, :]
+            if w < 1 or not np.array_equal(keep, want[mode] & (j > i + off - w)):
+                continue
+            attrs = call.attrs
+            q, k, v = call.args[:3]
+            windowed = relax.op.nn.attention(
+                q, k, v, None, attrs.scale, causal_mask=mode, window_size=w
+            )
+            if self.windows(windowed) is not None:
+                return call
+            att, tag = self.log.tagged(windowed, call)
+            self.log.sites.append(
+                (
+                    "constant_mask",
+                    tag,
+                    f"constant {shape} mask is a sliding window of {w} keys "
+                    f"({mode}): read by the kernel as window_size={w}, bias dropped",
+                )
+            )
+            self.log.counts["constant_mask"] += 1
+            return att
+        return call
 
 
 # --------------------------------------------------------------------------------------------

@@ -94,14 +94,18 @@ FAMILIES = {
         ["v passes", "broadcast_to", "bias"],
         {"grouped_kv", "rms_norm", "combine_projections"},
     ),
-    # window 32 of 48 tokens: a banded mask, kept as a bias; K/V repeated (no kernel reads a
-    # bias with GQA, so grouped_kv leaves the site alone)
+    # window 32 of 48 tokens: a constant banded mask, read in float16 on sm_90 as the window
+    # it is (constant_mask: causal_mask and window_size=32, no bias) by the Hopper kernel, GQA
+    # 4/2 read grouped; in float32 (no window kernel) the mask stays a bias, K/V repeated
     "mistral_window": Family(
         "mistral_window",
         48,
         PLAIN,
-        [*ROTARY, "sliding-window mask", "last 32 keys", "k and v repeated", "`broadcast_to`"],
-        kernel="sm80",
+        ROTARY,
+        ["sliding-window mask", "bias"],
+        {"constant_mask", "grouped_kv"},
+        messages=["is a sliding window of 32 keys (TopLeft)"],
+        words_f32=[*ROTARY, "sliding-window mask", "last 32 keys", "k and v repeated"],
     ),
     "qwen2": Family(
         "qwen2",
@@ -222,9 +226,11 @@ def test_sites_and_reasons_float16_sm90(case: str) -> None:
     res = partition(mod, OPTS, ARCH)
     _check_outcomes(fam, res)
     if case == "mistral_window":
-        assert "grouped_kv" not in {r.rewrite for r in rewrites}
-        assert all(m.bias and m.causal == "none" for m in res.match_entries())
-        assert not any("taken as the attention's causal flag" in n for n in imported.notes)
+        assert all(not m.bias and m.causal == "TopLeft" for m in res.match_entries())
+        for ff in res.functions:
+            spec = ff.analysis.spec
+            assert spec is not None and spec.window == 32 and spec.num_kv_heads == 2
+            assert "sliding window of 32 keys" in select_kernel(spec, ARCH)[1]
     elif fam.outcomes:
         assert {m.causal for m in res.match_entries()} == {fam.causal}
         assert [m.bias for m in res.match_entries()] == [fam.bias] * len(fam.outcomes)

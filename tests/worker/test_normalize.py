@@ -119,6 +119,55 @@ def test_a_real_additive_bias_is_kept() -> None:
     _same_meaning(mod, out, [_rnd(B, S, 3 * C)])
 
 
+def _band_module(keep: np.ndarray) -> Any:
+    """float16 attention over q [B, Sq, N, H], k and v [B, S, N, H] with the constant additive
+    mask that keeps ``keep`` ([Sq, S]), as transformers exports Mistral's window."""
+    sq, skv = keep.shape
+    mask = np.where(keep, 0.0, np.finfo(np.float16).min).astype("float16")
+    with IRBuilder() as builder, rb.function():
+        R.func_name("main")
+        q = R.arg("q", R.Tensor((B, sq, N, H), "float16"))
+        k = R.arg("k", R.Tensor((B, skv, N, H), "float16"))
+        v = R.arg("v", R.Tensor((B, skv, N, H), "float16"))
+        with R.dataflow() as frame:
+            bias = R.const(np.broadcast_to(mask, (B, 1, sq, skv)).copy())
+            out = R.emit(R.nn.attention(q, k, v, bias))
+            R.output(out)
+        R.func_ret_value(frame.output_vars[0])
+    return tvm.IRModule({"main": builder.get()})
+
+
+def _band(sq: int, skv: int, w: int) -> np.ndarray:
+    i, j = np.arange(sq)[:, None], np.arange(skv)[None, :]
+    off = skv - sq
+    return (j <= i + off) & (j > i + off - w)
+
+
+@pytest.mark.parametrize(("sq", "w", "causal"), [(S, 3, "TopLeft"), (4, 2, "BottomRight")])
+def test_a_constant_band_is_read_as_a_window_where_a_kernel_reads_one(
+    sq: int, w: int, causal: str
+) -> None:
+    """sm_90: the band becomes causal_mask + window_size, no bias (the Hopper kernel reads it);
+    sm_80, no window kernel: the constant mask stays."""
+    mod = _band_module(_band(sq, S, w))
+    out, rewrites = normalize(mod, OPTS, "sm_90")
+    (rw,) = [r for r in rewrites if r.rewrite == "constant_mask"]
+    assert f"is a sliding window of {w} keys ({causal})" in rw.message
+    (m,) = partition(out, OPTS, "sm_90").match_entries()
+    assert (m.bias, m.causal) == (False, causal)
+    kept, rewrites = normalize(mod, OPTS, "sm_80")
+    assert "constant_mask" not in _names(rewrites)
+    assert "relax.nn.attention_bias" in _ops(kept)
+
+
+def test_a_band_with_a_hole_stays_a_mask() -> None:
+    keep = _band(S, S, 3)
+    keep[5, 4] = False
+    out, rewrites = normalize(_band_module(keep), OPTS, "sm_90")
+    assert "constant_mask" not in _names(rewrites)
+    assert "relax.nn.attention_bias" in _ops(out)
+
+
 def test_bottom_right_mask_is_recognised() -> None:
     sq, skv = 4, S
     with IRBuilder() as builder, rb.function():
