@@ -192,6 +192,11 @@ class _Log:
     widths: list[str] = field(default_factory=list)  # of each combine_projections group
     gate_up: list[str] = field(default_factory=list)  # "gate + up" weights, combine_gate_up
 
+    def site(self, rewrite: str, tag: str, message: str) -> None:
+        """A per-site rewrite fired: ``message`` for the attention binding ``tag`` names."""
+        self.sites.append((rewrite, tag, message))
+        self.counts[rewrite] += 1
+
     def tagged(self, call: relax.Call, source: Any = None) -> tuple[relax.Call, str]:
         """``call`` carrying a span that names it (the tag of ``source`` when it has one), so
         that the report can say which attention site a rewrite made, whatever passes follow."""
@@ -979,18 +984,15 @@ class _Local(relax.PyExprMutator):
             biased = f"{len(terms.biases)} biases ({'; '.join(words)}) -> "
         else:
             biased = ""
-        self.log.sites.append(
-            (
-                "decomposed_attention",
-                tag,
-                f"{form} matmul -> scale {scale:.6g} -> "
-                + biased
-                + ("softmax (NaN-safe) -> " if safe else "softmax -> ")
-                + "matmul recovered as one attention"
-                + (f" with causal_mask={causal}" if causal != "none" else ""),
-            )
+        self.log.site(
+            "decomposed_attention",
+            tag,
+            f"{form} matmul -> scale {scale:.6g} -> "
+            + biased
+            + ("softmax (NaN-safe) -> " if safe else "softmax -> ")
+            + "matmul recovered as one attention"
+            + (f" with causal_mask={causal}" if causal != "none" else ""),
         )
-        self.log.counts["decomposed_attention"] += 1
         if rank == 4:
             out4 = relax.op.permute_dims(att, [0, 2, 1, 3])
             return out4 if _dtype(call) == dtype else relax.op.astype(self.emit(out4), _dtype(call))
@@ -1131,15 +1133,12 @@ class _Local(relax.PyExprMutator):
             call.op, [call.args[0], k[0], v[0], *call.args[3:]], call.attrs, call.ty_args, call.span
         )
         att, tag = self.log.tagged(out, call)
-        self.log.sites.append(
-            (
-                "grouped_kv",
-                tag,
-                f"K and V repeated from {k[1]} to {nq} heads are read as {k[1]} heads "
-                "(grouped-query attention): no repeated copy",
-            )
+        self.log.site(
+            "grouped_kv",
+            tag,
+            f"K and V repeated from {k[1]} to {nq} heads are read as {k[1]} heads "
+            "(grouped-query attention): no repeated copy",
         )
-        self.log.counts["grouped_kv"] += 1
         return att
 
     # ---- separate q/k/v projections -> one stacked projection ---------------------------
@@ -1213,15 +1212,12 @@ class _Local(relax.PyExprMutator):
         ]
         out = relax.Call(call.op, [*new, *call.args[3:]], call.attrs, call.ty_args, call.span)
         att, tag = self.log.tagged(out, call)
-        self.log.sites.append(
-            (
-                "combine_qkv",
-                tag,
-                "separate q/k/v projections of one input combined into one matmul + split "
-                f"({'+'.join(map(str, widths))} columns): the stacked layout",
-            )
+        self.log.site(
+            "combine_qkv",
+            tag,
+            "separate q/k/v projections of one input combined into one matmul + split "
+            f"({'+'.join(map(str, widths))} columns): the stacked layout",
         )
-        self.log.counts["combine_qkv"] += 1
         return att
 
     def all_heads(self, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
@@ -1283,15 +1279,12 @@ class _Local(relax.PyExprMutator):
         att, tag = self.log.tagged(
             relax.op.nn.attention(q, k_, v_, mask, attrs.scale, causal_mask=causal), call
         )
-        self.log.sites.append(
-            (
-                "sliding_window",
-                tag,
-                f"window_size={w} ({causal}) written as an additive mask computed in the graph, "
-                f"the causal mask kept: TVM cannot legalize a window, and {why}",
-            )
+        self.log.site(
+            "sliding_window",
+            tag,
+            f"window_size={w} ({causal}) written as an additive mask computed in the graph, "
+            f"the causal mask kept: TVM cannot legalize a window, and {why}",
         )
-        self.log.counts["sliding_window"] += 1
         return att
 
     # ---- ragged batches: the ragged kernel, else one masked attention ---------------------
@@ -1334,15 +1327,12 @@ class _Local(relax.PyExprMutator):
             if ragged is call:
                 return call
             ragged, tag = self.log.tagged(ragged, call)
-            self.log.sites.append(
-                (
-                    "ragged_operands",
-                    tag,
-                    f"attention_var_len kept for the ragged kernel (the SM80-class kernel, "
-                    f"which reads equal head counts and int32 offsets only): {'; '.join(done)}",
-                )
+            self.log.site(
+                "ragged_operands",
+                tag,
+                f"attention_var_len kept for the ragged kernel (the SM80-class kernel, "
+                f"which reads equal head counts and int32 offsets only): {'; '.join(done)}",
             )
-            self.log.counts["ragged_operands"] += 1
             return ragged
         if not start_q.same_as(start_k) or _ndim(start_q) != 1:
             return call
@@ -1385,17 +1375,14 @@ class _Local(relax.PyExprMutator):
             )
         )
         extra = f", window_size={w}" if w is not None else ""
-        self.log.sites.append(
-            (
-                "var_len",
-                tag,
-                f"attention_var_len ({causal}{extra}) written as one attention over the packed "
-                "tokens with a block-diagonal mask computed from seqstart (the mask is tokens x "
-                f"tokens): TVM cannot legalize attention_var_len, and the ragged kernel refuses "
-                f"it: {refused}",
-            )
+        self.log.site(
+            "var_len",
+            tag,
+            f"attention_var_len ({causal}{extra}) written as one attention over the packed "
+            "tokens with a block-diagonal mask computed from seqstart (the mask is tokens x "
+            f"tokens): TVM cannot legalize attention_var_len, and the ragged kernel refuses "
+            f"it: {refused}",
         )
-        self.log.counts["var_len"] += 1
         return att
 
     # ---- constant masks ------------------------------------------------------------------
@@ -1438,8 +1425,7 @@ class _Local(relax.PyExprMutator):
             call,
         )
         what = "attends everywhere: bias dropped" if found == "none" else f"is causal ({found})"
-        self.log.sites.append(("constant_mask", tag, f"constant {list(arr.shape)} mask {what}"))
-        self.log.counts["constant_mask"] += 1
+        self.log.site("constant_mask", tag, f"constant {list(arr.shape)} mask {what}")
         return att
 
     def constant_window(
@@ -1470,15 +1456,12 @@ class _Local(relax.PyExprMutator):
             if self.windows(windowed) is not None:
                 return call
             att, tag = self.log.tagged(windowed, call)
-            self.log.sites.append(
-                (
-                    "constant_mask",
-                    tag,
-                    f"constant {shape} mask is a sliding window of {w} keys "
-                    f"({mode}): read by the kernel as window_size={w}, bias dropped",
-                )
+            self.log.site(
+                "constant_mask",
+                tag,
+                f"constant {shape} mask is a sliding window of {w} keys "
+                f"({mode}): read by the kernel as window_size={w}, bias dropped",
             )
-            self.log.counts["constant_mask"] += 1
             return att
         return call
 
