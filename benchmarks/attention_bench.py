@@ -144,6 +144,17 @@ GRID_WINDOWS = [
 ]
 
 
+#: ragged batches (``attention_var_len``, packed ``qkv[1, T, 3 N H]`` + int32 lengths, seqstart
+#: computed in the graph): (lengths, N, H, causal, dtype). A serving prefill batch of 8 prompts
+#: (4096 tokens, Llama-class heads), and 32 BERT-length sequences. Peers: SDPA on a nested
+#: (jagged) tensor of the same tokens, FlexAttention with a document mask, and SDPA on the
+#: batch padded to its longest sequence with a key-padding mask.
+GRID_RAGGED = [
+    ([1800, 1024, 512, 300, 200, 150, 90, 20], 32, 128, True, "bfloat16"),
+    ([128, 97, 64, 120, 33, 128, 71, 100] * 4, 12, 64, False, "float16"),
+]
+
+
 def grid_shapes() -> list[dict[str, Any]]:
     """The grid's shapes, in a fixed order (batch x length x heads x head dim x causal x GQA x
     dtype, sampled as GRID_SIZES says)."""
@@ -174,6 +185,15 @@ def grid_shapes() -> list[dict[str, Any]]:
         if n_kv != n:
             shape["n_kv"] = n_kv
         shapes.append(shape)
+    for lengths, n, h, causal, dtype in GRID_RAGGED:
+        dt = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+        t = sum(lengths)
+        name = f"ragged{len(lengths)}_t{t}_q{n}_h{h}{'_causal' if causal else ''}_{dt}"
+        shape = {"name": name, "b": 1, "s": t, "n": n, "h": h, "dtype": dtype}
+        shape["lengths"] = lengths
+        if causal:
+            shape["causal"] = "BottomRight"
+        shapes.append(shape)
     return shapes
 
 
@@ -186,6 +206,9 @@ WAYS: dict[str, dict[str, Any]] = {
 
 def flops(shape: dict[str, Any]) -> float:
     """4 B N H x (query, key) pairs computed: S^2, half of it causal, a window's band."""
+    if "lengths" in shape:  # a ragged batch: each sequence attends to its own keys
+        one = {k: v for k, v in shape.items() if k != "lengths"}
+        return sum(flops(one | {"s": n}) for n in shape["lengths"])
     s, w = shape["s"], shape.get("window")
     if w is not None and w < s:  # rows see min(i + 1, W) keys
         pairs = w * (w + 1) / 2 + (s - w) * w
@@ -198,23 +221,28 @@ def build(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) 
     """Compile each shape's libraries: every way for SHAPES, ours alone for the grid."""
     from service.settings import get_settings
     from service.spec import CompileOptions, Target
-    from tests.models import stacked_attention_module, to_json
+    from tests.models import ragged_attention_module, stacked_attention_module, to_json
     from worker.pipeline import compile_module
 
     ways = {"stackfuse": WAYS["stackfuse"]} if grid else WAYS
     for shape in grid_shapes() if grid else SHAPES:
         if names and shape["name"] not in names:
             continue
-        mod = stacked_attention_module(
-            shape["b"],
-            shape["s"],
-            shape["n"],
-            shape["h"],
-            dtype=shape.get("dtype", "float16"),
-            causal=shape.get("causal"),
-            n_kv=shape.get("n_kv"),
-            window=shape.get("window"),
-        )
+        if "lengths" in shape:
+            mod = ragged_attention_module(
+                shape["n"], shape["h"], dtype=shape["dtype"], causal=shape.get("causal")
+            )
+        else:
+            mod = stacked_attention_module(
+                shape["b"],
+                shape["s"],
+                shape["n"],
+                shape["h"],
+                dtype=shape.get("dtype", "float16"),
+                causal=shape.get("causal"),
+                n_kv=shape.get("n_kv"),
+                window=shape.get("window"),
+            )
         for way, opts in ways.items():
             t0 = time.monotonic()
             res = compile_module(
@@ -328,13 +356,73 @@ def _stacked_input(shape: dict[str, Any], torch: Any) -> Any:
     return (torch.randn(shape["b"], shape["s"], cols, device="cuda") * 0.5).to(dtype)
 
 
-def _module_call(lib: Path, qkv: Any, tvm: Any, dev: Any) -> Any:
-    """A compiled library's ``main`` on ``qkv``, as a user calls it."""
+def _module_call(lib: Path, qkv: Any, tvm: Any, dev: Any, *more: Any) -> Any:
+    """A compiled library's ``main`` on ``qkv`` (and ``more`` inputs), as a user calls it."""
     from tvm.runtime.vm import VirtualMachine
 
     fn = VirtualMachine(tvm.runtime.load_module(str(lib)), dev)["main"]
-    arg = tvm.runtime.from_dlpack(qkv)
-    return lambda: fn(arg)
+    args = [tvm.runtime.from_dlpack(x) for x in (qkv, *more)]
+    return lambda: fn(*args)
+
+
+def _ragged_calls(shape: dict[str, Any], qkv: Any) -> tuple[Any, dict[str, Any]]:
+    """PyTorch on a ragged batch packed in ``qkv[1, T, 3 N H]``: SDPA on the batch padded to
+    its longest sequence with a key-padding mask (``sdpa``: every backend takes it, so it is
+    also the reference); and alone: SDPA on nested (jagged) tensors of the sequences
+    (``NESTED``) and FlexAttention with a document mask over the packed tokens (``FLEX``).
+    Each returns ``[1, N, T, H]``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    lengths, n, h = shape["lengths"], shape["n"], shape["h"]
+    t, causal = sum(lengths), shape.get("causal") is not None
+    dev = qkv.device
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], device=dev, dtype=torch.int64)
+    lens = torch.tensor(lengths, device=dev)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lens)
+
+    def views() -> tuple[Any, Any, Any]:
+        q, k, v = (x.view(t, n, h) for x in qkv[0].split(n * h, dim=1))
+        return q, k, v
+
+    def nested() -> Any:
+        q, k, v = (
+            torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in views()
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return out.transpose(1, 2).values().view(1, t, n, h).transpose(1, 2)
+
+    def band(_b: Any, _h: Any, qi: Any, ki: Any) -> Any:
+        same = doc[qi] == doc[ki]
+        return same & (ki <= qi) if causal else same
+
+    block_mask = create_block_mask(band, None, None, t, t, device=dev)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def flex() -> Any:
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in views())
+        return compiled(q, k, v, block_mask=block_mask)
+
+    longest, count = max(lengths), len(lengths)
+    pos = torch.arange(t, device=dev) - offsets[doc]
+    keep = torch.arange(longest, device=dev)[None, :] < lens[:, None]
+    mask = keep[:, None, None, :]
+    if causal:
+        i = torch.arange(longest, device=dev)
+        mask = mask & (i[None, :] <= i[:, None])[None, None]
+
+    def padded() -> Any:
+        outs = []
+        for x in views():
+            pad = x.new_zeros(count, longest, n, h)
+            pad[doc, pos] = x
+            outs.append(pad.transpose(1, 2))
+        q, k, v = outs
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2)[doc, pos].unsqueeze(0).transpose(1, 2)
+
+    return padded, {"NESTED": nested, "FLEX": flex}
 
 
 def _sdpa_calls(shape: dict[str, Any], qkv: Any) -> tuple[Any, dict[str, Any]]:
@@ -415,11 +503,15 @@ def run(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) ->
         b, s, n = shape["b"], shape["s"], shape["n"]
         big = b * s * s * n > 4e9
         qkv = _stacked_input(shape, torch)
+        more = []
+        if "lengths" in shape:  # the ragged batch's lengths: seqstart is computed in the graph
+            more.append(torch.tensor(shape["lengths"], dtype=torch.int32, device="cuda"))
         ways: dict[str, Any] = {
-            way: _module_call(out_dir / shape["name"] / way / "model.so", qkv, tvm, dev)
+            way: _module_call(out_dir / shape["name"] / way / "model.so", qkv, tvm, dev, *more)
             for way in (["stackfuse"] if grid else WAYS)
         }
-        ways["sdpa"], forced = _sdpa_calls(shape, qkv)
+        calls = _ragged_calls if "lengths" in shape else _sdpa_calls
+        ways["sdpa"], forced = calls(shape, qkv)
         row: dict[str, Any] = {
             "shape": shape["name"],
             "dims": shape,
@@ -432,7 +524,13 @@ def run(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) ->
             "preroll_s": PREROLL_S,
         }
         with tvm_ffi.use_torch_stream():
-            ref = ways["sdpa"]().transpose(1, 2)
+            try:
+                ref = ways["sdpa"]().transpose(1, 2)
+            except Exception as exc:  # no reference: the row says why, the run goes on
+                row["sdpa"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             usable: dict[str, Any] = {}  # fast ways that ran: timed in rounds below
             call_s: dict[str, float] = {}
             for way, fn in ways.items():
@@ -695,8 +793,12 @@ def grid_markdown(doc: dict[str, Any]) -> str:
             )
         return ratios
 
-    table([r for r in rows if not r.get("dims", {}).get("window")], "SDPA fastest")
-    windows = [r for r in rows if r.get("dims", {}).get("window")]
+    def kind(r: dict[str, Any]) -> str:
+        d = r.get("dims", {})
+        return "window" if d.get("window") else "ragged" if d.get("lengths") else "grid"
+
+    table([r for r in rows if kind(r) == "grid"], "SDPA fastest")
+    windows = [r for r in rows if kind(r) == "window"]
     if windows:
         lines += [
             "",
@@ -708,6 +810,22 @@ def grid_markdown(doc: dict[str, Any]) -> str:
             "band's (query, key) pairs only.",
         ]
         table(windows, "PyTorch fastest")
+    ragged = [r for r in rows if kind(r) == "ragged"]
+    if ragged:
+        lines += [
+            "",
+            "## Ragged batches",
+            "",
+            "Sequences of different lengths packed in `qkv[1, T, 3 N H]`, int32 lengths in,",
+            "`seqstart = concat([0], cumsum(lengths))` in the graph, `R.nn.attention_var_len`",
+            "(ours: the SM80-class kernel's seqstart path). Peers: SDPA on the batch padded to",
+            "its longest sequence with a key-padding mask, the padding copies included",
+            "(`default`), SDPA on nested (jagged) tensors (`nested`) and FlexAttention with a",
+            "document mask (`flex`). TFLOP/s count each sequence's own (query, key) pairs.",
+        ]
+        for r in ragged:
+            lines.append(f"- `{r['shape']}`: lengths {r['dims']['lengths']}")
+        table(ragged, "PyTorch fastest")
     return "\n".join(lines) + "\n"
 
 

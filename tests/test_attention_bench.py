@@ -112,3 +112,12 @@ def test_window_rows_count_the_band_and_get_their_own_table() -> None:
     row["stackfuse"]["max_abs_err_vs_sdpa"] = 1e-3
     md = ab.grid_markdown({"device": "H100", "date": "d", "command": "c grid", "rows": [row]})
     assert "## Sliding windows" in md and "| window 256 |" in md and "| 2.000x |" in md
+
+
+def test_ragged_rows_count_each_sequences_own_pairs() -> None:
+    r = next(s for s in ab.grid_shapes() if "lengths" in s)
+    assert r["b"] == 1 and r["s"] == sum(r["lengths"])
+    one = {"b": 1, "n": r["n"], "h": r["h"], "causal": "BottomRight"}
+    per = [ab.flops(one | {"s": n}) for n in r["lengths"]]
+    assert ab.flops(r) == pytest.approx(sum(per))
+    assert ab.flops(r) < ab.flops({k: v for k, v in r.items() if k != "lengths"})
