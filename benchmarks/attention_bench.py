@@ -386,9 +386,10 @@ def _ragged_calls(shape: dict[str, Any], qkv: Any) -> tuple[Any, dict[str, Any]]
         q, k, v = (x.view(t, n, h) for x in qkv[0].split(n * h, dim=1))
         return q, k, v
 
-    def nested() -> Any:
+    def nested() -> Any:  # jagged tensors need compact values: the copies are theirs
         q, k, v = (
-            torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2) for x in views()
+            torch.nested.nested_tensor_from_jagged(x.contiguous(), offsets).transpose(1, 2)
+            for x in views()
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return out.transpose(1, 2).values().view(1, t, n, h).transpose(1, 2)
