@@ -227,24 +227,27 @@ class _Scores:
 WindowPolicy = Callable[[relax.Call], str | None]
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """What the local rewrites may do: ``gqa`` (sm_90: read repeated K/V heads grouped),
+    ``windows`` (which windows stay for a kernel), ``only_windows`` (rewrite nothing else)."""
+
+    options: CompileOptions
+    gqa: bool
+    windows: WindowPolicy
+    only_windows: bool = False
+
+
 @relax.expr_functor.mutator
 class _Local(relax.PyExprMutator):
-    def __init__(
-        self,
-        mod: tvm.IRModule,
-        log: _Log,
-        options: CompileOptions,
-        gqa: bool,
-        windows: WindowPolicy,
-        only_windows: bool = False,
-    ) -> None:
+    def __init__(self, mod: tvm.IRModule, log: _Log, policy: _Policy) -> None:
         super().__init__(mod)
         self.log = log
-        self.options = options
-        self.combine = options.fuse_stacked
-        self.gqa = gqa
-        self.windows = windows
-        self.only_windows = only_windows
+        self.options = policy.options
+        self.combine = policy.options.fuse_stacked
+        self.gqa = policy.gqa
+        self.windows = policy.windows
+        self.only_windows = policy.only_windows
         self.split_cache: dict[Any, Any] = {}
         self.select_splits: dict[tuple[Any, int], Any] = {}
 
@@ -1879,21 +1882,13 @@ def _simplify(mod: tvm.IRModule) -> tvm.IRModule:
     return relax.transform.RemoveRedundantReshape()(mod)
 
 
-def _run_local(
-    mod: tvm.IRModule,
-    log: _Log,
-    options: CompileOptions,
-    gqa: bool,
-    windows: WindowPolicy,
-    only_windows: bool = False,
-) -> tvm.IRModule:
+def _run_local(mod: tvm.IRModule, log: _Log, policy: _Policy) -> tvm.IRModule:
     for _ in range(MAX_ROUNDS):
         before = sum(log.counts.values())
         out = tvm.IRModule(mod.functions, attrs=mod.attrs) if mod.attrs is not None else mod
         for gv, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
-                local = _Local(mod, log, options, gqa, windows, only_windows)
-                out[gv] = local.visit_expr(func)
+                out[gv] = _Local(mod, log, policy).visit_expr(func)
         mod = _simplify(out)
         if sum(log.counts.values()) == before:
             break
@@ -1942,7 +1937,7 @@ def windows_as_masks(
     log = _Log()
     # only the windows are visited: nothing combines, nothing else is rewritten
     options = CompileOptions(fuse_stacked=False)
-    out = _run_local(mod, log, options, gqa=False, windows=refused, only_windows=True)
+    out = _run_local(mod, log, _Policy(options, gqa=False, windows=refused, only_windows=True))
     return out, _site_rewrites(out, log)
 
 
@@ -1984,7 +1979,7 @@ def normalize(
         # sm_90: the Hopper kernel reads windows, partition decides (windows_as_masks)
         return None if gqa and options.kernel != "sm80" else reason
 
-    mod = _run_local(mod, log, options, gqa=gqa, windows=windows)
+    mod = _run_local(mod, log, _Policy(options, gqa=gqa, windows=windows))
     if options.offload_gemm and options.fuse_stacked:  # both say "combine", as combine_qkv
         mod = _combine_projections(mod, log)
     if options.offload_gemm and gqa:  # sm_90: the paired SwiGLU GEMM is a Hopper kernel

@@ -119,22 +119,28 @@ def test_a_real_additive_bias_is_kept() -> None:
     _same_meaning(mod, out, [_rnd(B, S, 3 * C)])
 
 
-def _band_module(keep: np.ndarray) -> Any:
-    """float16 attention over q [B, Sq, N, H], k and v [B, S, N, H] with the constant additive
-    mask that keeps ``keep`` ([Sq, S]), as transformers exports Mistral's window."""
-    sq, skv = keep.shape
-    mask = np.where(keep, 0.0, np.finfo(np.float16).min).astype("float16")
+def _masked_module(mask: np.ndarray) -> Any:
+    """Attention over q [B, Sq, N, H], k and v [B, S, N, H] in the mask's dtype, with the
+    constant additive ``mask`` ([B, 1, Sq, S])."""
+    sq, skv = mask.shape[2:]
+    dtype = str(mask.dtype)
     with IRBuilder() as builder, rb.function():
         R.func_name("main")
-        q = R.arg("q", R.Tensor((B, sq, N, H), "float16"))
-        k = R.arg("k", R.Tensor((B, skv, N, H), "float16"))
-        v = R.arg("v", R.Tensor((B, skv, N, H), "float16"))
+        q = R.arg("q", R.Tensor((B, sq, N, H), dtype))
+        k = R.arg("k", R.Tensor((B, skv, N, H), dtype))
+        v = R.arg("v", R.Tensor((B, skv, N, H), dtype))
         with R.dataflow() as frame:
-            bias = R.const(np.broadcast_to(mask, (B, 1, sq, skv)).copy())
-            out = R.emit(R.nn.attention(q, k, v, bias))
+            out = R.emit(R.nn.attention(q, k, v, R.const(mask)))
             R.output(out)
         R.func_ret_value(frame.output_vars[0])
     return tvm.IRModule({"main": builder.get()})
+
+
+def _band_module(keep: np.ndarray) -> Any:
+    """float16, the additive mask that keeps ``keep`` ([Sq, S]): how transformers exports
+    Mistral's window."""
+    mask = np.where(keep, 0.0, np.finfo(np.float16).min).astype("float16")
+    return _masked_module(np.broadcast_to(mask, (B, 1, *keep.shape)).copy())
 
 
 def _band(sq: int, skv: int, w: int) -> np.ndarray:
@@ -170,16 +176,7 @@ def test_a_band_with_a_hole_stays_a_mask() -> None:
 
 def test_bottom_right_mask_is_recognised() -> None:
     sq, skv = 4, S
-    with IRBuilder() as builder, rb.function():
-        R.func_name("main")
-        q = R.arg("q", R.Tensor((B, sq, N, H), "float32"))
-        k = R.arg("k", R.Tensor((B, skv, N, H), "float32"))
-        v = R.arg("v", R.Tensor((B, skv, N, H), "float32"))
-        with R.dataflow() as frame:
-            out = R.emit(R.nn.attention(q, k, v, R.const(_causal(skv - sq, sq, skv))))
-            R.output(out)
-        R.func_ret_value(frame.output_vars[0])
-    mod = tvm.IRModule({"main": builder.get()})
+    mod = _masked_module(_causal(skv - sq, sq, skv))
     out, rewrites = normalize(mod, OPTS)
     assert any("BottomRight" in r.message for r in rewrites)
     args = [_rnd(B, sq, N, H, seed=1), _rnd(B, skv, N, H, seed=2), _rnd(B, skv, N, H, seed=3)]
