@@ -75,7 +75,14 @@ import numpy as np
 from service.spec import CompileOptions
 from worker.attention import MASKED
 from worker.partition import ATTENTION_OPS as SITE_OPS
-from worker.partition import PartitionResult, partition, ragged_refusal, refused_windows, site_of
+from worker.partition import (
+    PartitionResult,
+    band_width,
+    partition,
+    ragged_refusal,
+    refused_windows,
+    site_of,
+)
 from worker.report import Rewrite, Where
 from worker.toolchain import import_tvm
 
@@ -1442,14 +1449,11 @@ class _Local(relax.PyExprMutator):
         if _dtype(call) not in ("float16", "bfloat16"):  # no window kernel: the mask stays
             return call
         sq, skv = keep.shape
-        want = _causal_patterns(sq, skv)
         for mode in ("TopLeft", "BottomRight"):
-            if causal not in ("none", mode) or not np.all(keep <= want[mode]):
+            if causal not in ("none", mode):
                 continue
-            w = int(keep.sum(axis=1).max())
-            off = skv - sq if mode == "BottomRight" else 0
-            i, j = np.arange(sq)[:, None], np.arange(skv)[None, :]
-            if w < 1 or not np.array_equal(keep, want[mode] & (j > i + off - w)):
+            w = band_width(keep, skv - sq if mode == "BottomRight" else 0)
+            if w is None:
                 continue
             attrs = call.attrs
             q, k, v = call.args[:3]

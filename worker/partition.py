@@ -1571,16 +1571,18 @@ def _constant_of(expr: Any, values: dict[Any, Any], depth: int = 0) -> Any:
     return None
 
 
-def _window(keep: Any) -> int | None:
-    """``w`` when ``keep`` (``[..., S, S_kv]`` booleans) lets each query see exactly the
-    ``w`` keys up to its own position (the last ``S`` of ``S_kv``); ``S_kv``: causal."""
+def band_width(keep: Any, offset: int) -> int | None:
+    """``w`` when ``keep`` (``[..., S, S_kv]`` booleans, the same for every leading index)
+    lets query i see exactly the keys j with ``i + offset - w < j <= i + offset``: a causal
+    band of ``w`` keys (``offset`` 0 top-left, ``S_kv - S`` bottom-right); else None. A band
+    at least as wide as every row's causal keys is the causal mask itself."""
     import numpy as np
 
     s, skv = keep.shape[-2:]
-    i = np.arange(s)[:, None] + (skv - s)
+    i = np.arange(s)[:, None] + offset
     j = np.arange(skv)[None, :]
-    # the last query sees min(w, S_kv) keys: the one width to check (one pass over the mask)
-    w = int(keep.reshape(-1, s, skv)[0, -1].sum())
+    # the widest row holds the band's width: the one width to check (one pass over the mask)
+    w = int(keep.reshape(-1, s, skv).sum(axis=-1).max())
     if w and np.array_equal(keep, np.broadcast_to((j <= i) & (j > i - w), keep.shape)):
         return w
     return None
@@ -1605,7 +1607,7 @@ def _bias_kind(expr: Any, values: dict[Any, Any]) -> str:
         )
     if keep.all():
         return f"a constant {dims}mask that keeps every key"
-    w = _window(keep)
+    w = band_width(keep, keep.shape[-1] - keep.shape[-2])  # bottom-right, as exporters align
     if w == keep.shape[-1]:
         return f"a constant {dims}causal mask"
     if w is not None:
