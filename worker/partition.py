@@ -682,8 +682,9 @@ def _check_ragged(
     operand_index: Callable[[relax.Expr], int],
 ) -> _RaggedOperands | None:
     """The checks of ``attention_var_len`` beyond attention's own: packed tokens (a batch of
-    one), int32 seqstart tensors of rank 1, and equal head counts (the SM80-class kernel reads
-    no grouped heads; normalize repeats K and V up to the query heads for it)."""
+    one), int32 seqstart tensors of rank 1, no sliding window, and equal head counts (the
+    SM80-class kernel reads neither a window nor grouped heads; normalize repeats K and V up to
+    the query heads for it)."""
     q, k, v = call.args[:3]
     start_q, start_k = call.args[3], call.args[4]
     batches = [shape_of(t)[0] for t in (q, k, v)]  # type: ignore[index]
@@ -719,6 +720,14 @@ def _check_ragged(
                 f"{dim_label(a)} and {dim_label(b)}",
                 "seqstart_q and seqstart_k must count the same sequences",
             )
+    if facts["window"] is not None:
+        an.fail(
+            "sliding_window",
+            "no window_size (the ragged kernel reads none)",
+            f"window_size={facts['window']}",
+            f"window_size={facts['window']}: sliding-window attention is not supported by the "
+            "ragged kernel (the SM80-class fMHA reads no window)",
+        )
     if facts["nq"] != facts["nkv"]:
         an.fail(
             "num_heads",
@@ -1200,11 +1209,6 @@ def ragged_refusal(call: relax.Call, options: CompileOptions) -> str | None:
         return (
             "options.offload_plain is off, and the plain ragged pattern is the one that takes "
             "q, k and v in any layout"
-        )
-    if call.attrs.window_size is not None:
-        return (
-            f"window_size={int(call.attrs.window_size.value)}: sliding-window attention is not "
-            "supported by the ragged kernel (the SM80-class fMHA reads no window)"
         )
     an = analyze(PATTERNS[RAGGED_PLAIN], {"attention": call}, lambda e: 0)
     if an.ok:
