@@ -155,6 +155,29 @@ GRID_RAGGED = [
 ]
 
 
+def _grid_shape(
+    stem: str,
+    dtype: str,
+    *,
+    b: int,
+    s: int,
+    n: int,
+    h: int,
+    n_kv: int | None = None,
+    causal: bool = False,
+) -> dict[str, Any]:
+    """One grid row: its name (``stem`` and the dtype's short name) and dims; ``n_kv`` only
+    where it differs from ``n``, causal masks bottom-right."""
+    short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    shape: dict[str, Any] = {"name": f"{stem}_{short}", "b": b, "s": s, "n": n, "h": h}
+    shape["dtype"] = dtype
+    if n_kv is not None and n_kv != n:
+        shape["n_kv"] = n_kv
+    if causal:
+        shape["causal"] = "BottomRight"
+    return shape
+
+
 def grid_shapes() -> list[dict[str, Any]]:
     """The grid's shapes, in a fixed order (batch x length x heads x head dim x causal x GQA x
     dtype, sampled as GRID_SIZES says)."""
@@ -170,30 +193,17 @@ def grid_shapes() -> list[dict[str, Any]]:
             i += 1
     shapes = []
     for b, s, n, n_kv, h, causal, dtype in picked + GRID_NAMED:
-        dt = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-        name = f"b{b}_s{s}_q{n}_kv{n_kv}_h{h}{'_causal' if causal else ''}_{dt}"
-        shape: dict[str, Any] = {"name": name, "b": b, "s": s, "n": n, "h": h, "dtype": dtype}
-        if n_kv != n:
-            shape["n_kv"] = n_kv
-        if causal:
-            shape["causal"] = "BottomRight"
-        shapes.append(shape)
+        stem = f"b{b}_s{s}_q{n}_kv{n_kv}_h{h}{'_causal' if causal else ''}"
+        shapes.append(_grid_shape(stem, dtype, b=b, s=s, n=n, h=h, n_kv=n_kv, causal=causal))
     for b, s, n, n_kv, h, w, dtype in GRID_WINDOWS:
-        dt = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-        shape = {"name": f"b{b}_s{s}_q{n}_kv{n_kv}_h{h}_window{w}_{dt}", "b": b, "s": s, "n": n}
-        shape |= {"h": h, "dtype": dtype, "causal": "BottomRight", "window": w}
-        if n_kv != n:
-            shape["n_kv"] = n_kv
-        shapes.append(shape)
+        stem = f"b{b}_s{s}_q{n}_kv{n_kv}_h{h}_window{w}"
+        shape = _grid_shape(stem, dtype, b=b, s=s, n=n, h=h, n_kv=n_kv, causal=True)
+        shapes.append(shape | {"window": w})
     for lengths, n, h, causal, dtype in GRID_RAGGED:
-        dt = {"float16": "f16", "bfloat16": "bf16"}[dtype]
         t = sum(lengths)
-        name = f"ragged{len(lengths)}_t{t}_q{n}_h{h}{'_causal' if causal else ''}_{dt}"
-        shape = {"name": name, "b": 1, "s": t, "n": n, "h": h, "dtype": dtype}
-        shape["lengths"] = lengths
-        if causal:
-            shape["causal"] = "BottomRight"
-        shapes.append(shape)
+        stem = f"ragged{len(lengths)}_t{t}_q{n}_h{h}{'_causal' if causal else ''}"
+        shape = _grid_shape(stem, dtype, b=1, s=t, n=n, h=h, causal=causal)
+        shapes.append(shape | {"lengths": lengths})
     return shapes
 
 
