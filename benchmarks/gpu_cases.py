@@ -326,6 +326,74 @@ CASES: list[Case] = [
     Case(
         "split_fp16_s4096_h128_causal_b1", "stacked", 1, 4096, 16, 128, 128, {"causal": "TopLeft"}
     ),
+    # sliding windows (window_size=W, causal): on sm_90 fp16/bf16 at tile head dims 32/64/128 the
+    # Hopper window kernel (key tiles outside the window skipped, W read at run time), stacked and
+    # GQA, both alignments, W under, across and over a 128-key tile; what it does not take
+    # (head dim 256, a bias, options.kernel=sm80) runs masked on the SM80-class kernel
+    Case(
+        "window_fp16_s1000_w256_h128_topleft",
+        "stacked",
+        2,
+        1000,
+        16,
+        128,
+        module={"causal": "TopLeft", "window": 256},
+    ),
+    Case(
+        "window_bf16_gqa_q16_kv4_s700_w100_h64_bottomright",
+        "stacked",
+        3,
+        700,
+        16,
+        64,
+        module={"causal": "BottomRight", "window": 100, "n_kv": 4, "dtype": "bfloat16"},
+    ),
+    Case(
+        "window_fp16_s4096_w4096_h128_bottomright",
+        "stacked",
+        1,
+        4096,
+        8,
+        128,
+        module={"causal": "BottomRight", "window": 4096, "n_kv": 2},
+    ),
+    Case(
+        "window_fp16_s333_w1_h32_topleft",
+        "stacked",
+        2,
+        333,
+        8,
+        32,
+        module={"causal": "TopLeft", "window": 1},
+    ),
+    Case(
+        "window_fp16_s600_w128_h256_masked",
+        "stacked",
+        2,
+        600,
+        4,
+        256,
+        module={"causal": "BottomRight", "window": 128},
+    ),
+    Case(
+        "window_fp16_s300_w64_h64_bias_masked",
+        "stacked",
+        2,
+        300,
+        8,
+        64,
+        module={"causal": "TopLeft", "window": 64, "bias_shape": (2, 8, 300, 300)},
+    ),
+    Case(
+        "window_bf16_s500_w200_h64_sm80_masked",
+        "stacked",
+        2,
+        500,
+        8,
+        64,
+        module={"causal": "BottomRight", "window": 200, "dtype": "bfloat16"},
+        options={"kernel": "sm80"},
+    ),
     # ragged batches (attention_var_len) on the SM80-class kernel's seqstart path, every arch:
     # lengths of 1, of 64 and off a 64-row tile; seqstart computed from the lengths or given;
     # the packed stacked tensor or separate q/k/v; causal masks within each sequence; GQA
@@ -441,6 +509,9 @@ CASES: list[Case] = [
 
 #: the ragged batches: ``build OUT ragged`` builds these
 RAGGED_CASES = tuple(c.name for c in CASES if c.kind == "ragged")
+
+#: the sliding windows: ``build OUT window`` builds these
+WINDOW_CASES = tuple(c.name for c in CASES if "window" in c.module)
 
 #: cases the Hopper kernel takes, built a second time with the selector's default on sm_90
 HOPPER_CASES = (
@@ -629,6 +700,8 @@ def reference(case: Case, inputs: list[Any]) -> list[Any]:
         j = torch.arange(skv, device=score.device)[None, :]
         offset = 0 if causal == "TopLeft" else skv - sq
         score = score.masked_fill(j > i + offset, float("-inf"))
+        if m.get("window") is not None:  # key j seen iff i + offset - W < j <= i + offset
+            score = score.masked_fill(j <= i + offset - m["window"], float("-inf"))
     out = torch.matmul(torch.softmax(score, dim=-1), vt).transpose(1, 2).to(dtype_out)
     if m.get("epilogue"):
         out = out + out
@@ -783,6 +856,8 @@ def main(argv: list[str]) -> int:
             kernel = names.pop(0).split("=", 1)[1]
         if names == ["ragged"]:
             names = list(RAGGED_CASES)
+        elif names == ["window"]:
+            names = list(WINDOW_CASES)
         elif kernel == "auto" and not names:
             names = list(HOPPER_CASES)
         if kernel == "sm80" and not names:

@@ -444,6 +444,28 @@ def test_a_grouped_query_window_runs_on_the_kernel_that_reads_masks() -> None:
     )
 
 
+def test_the_gpu_cases_window_reference_agrees_with_the_masked_form() -> None:
+    """``benchmarks/gpu_cases.py``'s window check, on its bf16 GQA bottom-right case: the module
+    as a user sends it, written as a mask by normalize (before sm_90 no kernel reads a window)
+    and built with LLVM, against the GPU check's PyTorch reference on the same inputs. Both
+    readings of W must agree, or the H200 numerics would check the wrong band. (bf16: LLVM's
+    fp16 code for the same module takes ~10x longer on the CPU.)"""
+    torch = pytest.importorskip("torch")
+    from benchmarks.gpu_cases import CASES, TOLERANCE, _inputs, module_for, reference
+
+    name = "window_bf16_gqa_q16_kv4_s700_w100_h64_bottomright"
+    (case,) = [c for c in CASES if c.name == name]
+    out, rewrites = normalize(module_for(case), reference_options(OPTS), "sm_80")
+    assert "sliding_window" in [r.rewrite for r in rewrites]
+    vm = relax.VirtualMachine(tvm.compile(expand_kv_heads(out), target="llvm"), tvm.cpu())
+    inputs = _inputs(case, torch, "cpu")
+    got = torch.from_dlpack(vm["main"](*[tvm.runtime.from_dlpack(t) for t in inputs])).float()
+    (want,) = reference(case, inputs)
+    assert got.shape == want.shape == (case.b, case.s, case.n, case.h)
+    rel = float((got - want.float()).norm() / want.float().norm())
+    assert rel <= TOLERANCE[case.module.get("dtype", "float16")], rel
+
+
 def test_a_window_without_a_causal_mask_fails_up_front() -> None:
     out, rewrites = normalize(window_module(32, 32, None, 8), OPTS, "sm_90")
     assert "sliding_window" not in [r.rewrite for r in rewrites]
