@@ -505,7 +505,24 @@ def run(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) ->
     import tvm_ffi
 
     dev = tvm.cuda(0)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": f"python -m benchmarks.attention_bench {'grid' if grid else 'run'} <libs>",
+        "note": "ratio > 1 means faster than the peer; kernel time from torch.profiler (CUPTI)",
+        "rows": rows,
+    }
+    stem, render = ("attention_grid", grid_markdown) if grid else ("attention_bench", to_markdown)
+
+    def save(row: dict[str, Any]) -> None:
+        """Add ``row`` and write the results so far: a run cut short keeps its rows."""
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+        (out_dir / f"{stem}.md").write_text(render(doc))
+
     for shape in grid_shapes() if grid else SHAPES:
         if names and shape["name"] not in names:
             continue
@@ -539,8 +556,7 @@ def run(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) ->
                 ref = ways["sdpa"]().transpose(1, 2)
             except Exception as exc:  # no reference: the row says why, the run goes on
                 row["sdpa"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                save(row)
                 continue
             usable: dict[str, Any] = {}  # fast ways that ran: timed in rounds below
             call_s: dict[str, float] = {}
@@ -597,19 +613,7 @@ def run(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) ->
                     k = r["kernel_s"]
                     r["kernel_tflops"] = row["flops"] / k / 1e12 if k else None
         add_ratios(row)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    doc = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "command": f"python -m benchmarks.attention_bench {'grid' if grid else 'run'} <libs>",
-        "note": "ratio > 1 means faster than the peer; kernel time from torch.profiler (CUPTI)",
-        "rows": rows,
-    }
-    stem, render = ("attention_grid", grid_markdown) if grid else ("attention_bench", to_markdown)
-    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2))
-    (out_dir / f"{stem}.md").write_text(render(doc))
+        save(row)
     print(render(doc))
     return doc
 
@@ -1038,22 +1042,42 @@ def power_markdown(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    cmd, out = argv[0], Path(argv[1])
-    names = argv[2:] or None
-    if cmd == "build":
-        build(out, names)
-    elif cmd == "build-grid":
-        build(out, names, grid=True)
-    elif cmd == "grid":
-        run(out, names, grid=True)
-    elif cmd == "power":
-        power(out, names)
-    elif cmd == "markdown":  # regenerate a table from a results file
-        doc = json.loads(out.read_text())
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.attention_bench",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for cmd, help_ in (
+        ("build", "here: compile every way's library for the named shapes"),
+        ("run", "on the GPU: time the built libraries, write attention_bench.{json,md}"),
+        ("build-grid", "here: compile our library for the generated grid's shapes"),
+        ("grid", "on the GPU: ours vs SDPA's fastest, write attention_grid.{json,md}"),
+        ("power", "on the GPU: sustained load, write attention_power.{json,md}"),
+    ):
+        p = sub.add_parser(cmd, help=help_)
+        p.add_argument("dir", type=Path, help="the libraries' folder")
+        p.add_argument("shapes", nargs="*", help="shape names (default: all)")
+    p = sub.add_parser("markdown", help="regenerate a table from a results file")
+    p.add_argument("json", type=Path)
+    p.add_argument("md", type=Path)
+    args = parser.parse_args(argv)
+    names = getattr(args, "shapes", None) or None
+    if args.cmd == "build":
+        build(args.dir, names)
+    elif args.cmd == "build-grid":
+        build(args.dir, names, grid=True)
+    elif args.cmd == "grid":
+        run(args.dir, names, grid=True)
+    elif args.cmd == "power":
+        power(args.dir, names)
+    elif args.cmd == "markdown":
+        doc = json.loads(args.json.read_text())
         render = grid_markdown if "grid" in doc["command"].split() else to_markdown
-        Path(argv[2]).write_text(render(doc))
+        args.md.write_text(render(doc))
     else:
-        run(out, names)
+        run(args.dir, names)
     return 0
 
 
