@@ -75,6 +75,8 @@ class Slot:
 
 _HEADS_128 = [(16, 16, 128), (32, 32, 128), (32, 8, 128), (16, 1, 128), (16, 16, 96)]
 _HEADS_64 = [(16, 16, 64), (12, 12, 64), (16, 4, 64)]
+#: the heads of the attention grid's non-causal head-dim-64 shapes (``run --shapes grid64``)
+_GRID_64 = [(32, 32, 64), (10, 10, 64)]
 _HEADS_32 = [(16, 16, 32), (8, 2, 32)]
 _HEADS_256 = [(8, 8, 256), (8, 2, 256)]
 
@@ -135,9 +137,9 @@ def catalog() -> list[Slot]:
     )
     add(f16, "pingpong_128x128", "BottomRight", [h128], [h128, (16, 4, 128)])
     # fp16, head dim 64
-    add(f16, "pingpong3_192x128", "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
+    add(f16, "pingpong3_192x128", "none@64", _HEADS_64 + _GRID_64, [(12, 12, 64)], [(12, 12, 64)])
     add(f16, "coop3_192x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
-    add(f16, "pingpong_128x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
+    add(f16, "pingpong_128x128", "none@64", _HEADS_64 + _GRID_64, [], [(12, 12, 64)])
     add(f16, "tma_64x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
     add(f16, "pingpongB_128x128", "none", [h128, (32, 32, 128), (32, 8, 128)])
     add(f16, "pingpongB_128x128", "TopLeft", [(32, 8, 128)])
@@ -174,9 +176,9 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "BottomRight", [h128], [h128, (16, 4, 128)])
     add(b16, "overlap_128x128", "none", [h128, (32, 8, 128)], [(16, 4, 128)])
     add(b16, "overlap_128x128", "TopLeft", [h128, (32, 8, 128)])
-    add(f16, "overlap_128x128", "none@64", _HEADS_64, [], [(12, 12, 64)])
+    add(f16, "overlap_128x128", "none@64", _HEADS_64 + _GRID_64, [], [(12, 12, 64)])
     add(f16, "overlap_128x128", "TopLeft@64", _HEADS_64, [], [(12, 12, 64)])
-    add(f16, "overlap3_192x128", "none@64", _HEADS_64, [(12, 12, 64)], [(12, 12, 64)])
+    add(f16, "overlap3_192x128", "none@64", _HEADS_64 + _GRID_64, [(12, 12, 64)], [(12, 12, 64)])
     add(f16, "overlap3_192x128", "TopLeft@64", _HEADS_64, [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
     add(b16, "overlap3_192x128", "none@64", _HEADS_64)
@@ -679,6 +681,15 @@ CAUSAL64W_SHAPES = [
     ("b8_s1024_n16_h64_causal", 8, 1024, 16, 16, 64, True, "float16"),  # 7.8
 ]
 
+#: the non-causal fp16 head-dim-64 shapes of ``attention_bench.grid_shapes()`` (``run --shapes
+#: grid64``), where the 192-row kernel the selector picks trailed SDPA's fastest from outside
+GRID64_SHAPES = [
+    ("b1_s4096_n32_h64", 1, 4096, 32, 32, 64, False, "float16"),
+    ("b2_s2048_q16_kv4_h64", 2, 2048, 16, 4, 64, False, "float16"),
+    ("b16_s512_n16_h64", 16, 512, 16, 16, 64, False, "float16"),
+    ("b2_s4096_n10_h64", 2, 4096, 10, 10, 64, False, "float16"),
+]
+
 #: causal launches of a few waves and the main set's causal shapes (``run --shapes balance``):
 #: the chunked tile order's chunk sizes
 BALANCE_SHAPES = [
@@ -729,6 +740,7 @@ SHAPE_SETS = {
     "causal64w": CAUSAL64W_SHAPES,
     "balance": BALANCE_SHAPES,
     "tail": TAIL_SHAPES,
+    "grid64": GRID64_SHAPES,
 }
 
 
