@@ -2,8 +2,11 @@
 
 Two halves, so a GPU machine with only a runtime TVM can run the check:
 
-    python -m benchmarks.gpu_cases build OUT_DIR      # here: full TVM + nvcc, no GPU needed
-    python -m benchmarks.gpu_cases check OUT_DIR      # there: runtime TVM + torch + a GPU
+    python -m benchmarks.gpu_cases build OUT_DIR [NAMES]  # here: full TVM + nvcc, no GPU needed
+    python -m benchmarks.gpu_cases check OUT_DIR          # there: runtime TVM + torch + a GPU
+
+NAMES: case names, or ``ragged`` / ``window`` for those groups; none: the cases the Hopper kernel
+takes (``--kernel=sm80`` first: the SM80-class kernel's).
 
 The reference is independent of our kernels: q, k and v are cut out of the stacked tensor by
 PyTorch, and attention is computed in float32 (float64 on CPU for small cases) by plain matmul
