@@ -653,6 +653,73 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     assert out[9:12] == ["shift 0 128 0", "chunk 2048 1", "chunk 512 9"], out
 
 
+_WINDOW_TILES_PROBE = r"""
+#include "hopper_window.cuh"
+#include <cstdio>
+namespace hp = stackfuse::hopper;
+template <hp::CausalMode kMode>
+void sweep(char const* name) {
+  using Mask = hp::WindowMask<kMode, 128, 128>;
+  int const seqs[][2] = {{1, 1}, {100, 100}, {128, 128}, {129, 129}, {700, 700}, {1000, 1000},
+                         {4096, 4096}, {77, 300}, {300, 77}, {1024, 2048}, {2048, 1024}};
+  int const windows[] = {1, 2, 64, 100, 127, 128, 129, 256, 1000, 4096, 8192};
+  for (auto const& s : seqs) {
+    for (int w : windows) {
+      auto ps = cute::make_tuple(1, 1, s[0], s[1], 128, w);
+      for (int m = 0; m * 128 < s[0]; ++m) {
+        int first, end;
+        Mask::tiles(m, ps, first, end);
+        std::printf("%s %d %d %d %d %d %d\n", name, s[0], s[1], w, m, first, end);
+      }
+    }
+  }
+}
+int main() {
+  sweep<hp::CausalMode::kTopLeft>("TopLeft");
+  sweep<hp::CausalMode::kBottomRight>("BottomRight");
+}
+"""
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_window_key_tiles_cover_the_window_and_no_more(tmp_path: Path) -> None:
+    """The window kernel's key-tile range per 128-row query block (``WindowMask::tiles``,
+    compiled into a host program: no GPU needed), against the keys the block's rows see (key j
+    from query i iff ``i + off - W < j <= i + off``, j < S_kv): every such key's tile is in the
+    range, and the range is exactly those tiles, save that a block whose rows reach past S_q
+    (the last) may keep the tiles of its rows past the end, and a block whose rows see no key
+    at all keeps one tile (the mainloop needs one; the rows come out as zeros). Both alignments,
+    W from one key to past both lengths, fewer and more keys than queries."""
+    chain = find_toolchain()
+    src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
+    src.write_text(_WINDOW_TILES_PROBE)
+    ours = [f"-I{p}" for p in (hopper.WINDOW_KERNELS_DIR, *hopper.include_dirs())]
+    nvcc = [str(chain.nvcc), *COMMON_FLAGS, hopper.GENCODE, *ours, *include_flags(chain)]
+    subprocess.run([*nvcc, "-o", str(obj), str(src)], check=True, capture_output=True, timeout=600)
+    link = ["g++", "-o", str(exe), str(obj), str(chain.cudart_static), "-lpthread", "-ldl", "-lrt"]
+    subprocess.run(link, check=True, capture_output=True, timeout=120)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    rows = [out[i : i + 7] for i in range(0, len(out), 7)]
+    assert len(rows) > 500
+    for mode, *nums in rows:
+        sq, sk, w, m, first, end = map(int, nums)
+        off = sk - sq if mode == "BottomRight" else 0
+        seen = {
+            j // 128
+            for i in range(m * 128, min((m + 1) * 128, sq))
+            for j in range(max(0, i + off - w + 1), min(sk, i + off + 1))
+        }
+        where = (mode, sq, sk, w, m, first, end)
+        assert 0 <= first < end <= -(-sk // 128), where
+        if not seen:  # no row of the block sees a key: one tile, all of it masked
+            assert end - first == 1, where
+            continue
+        assert (first, end) == (min(seen), max(seen) + 1) or (
+            (m + 1) * 128 > sq and first == min(seen) and end > max(seen)
+        ), (where, sorted(seen))
+
+
 @pytest.mark.nvcc
 @pytest.mark.slow
 def test_pipelined_short_kernel_keeps_its_wgmma_asynchronous(tmp_path: Path) -> None:
