@@ -579,6 +579,20 @@ def test_nvcc_compiles_one_config_and_exports_the_symbol(
     assert re.search(rf"\bT stackfuse::hopper::{cfg}\(", symbols(cfg_obj))
 
 
+def _run_host_probe(tmp_path: Path, source: str, *more_includes: Path) -> str:
+    """Compile ``source`` (host code over our Hopper headers) with the service's own nvcc flags
+    and include dirs, link it as the benchmark links its library, run it: its stdout."""
+    chain = find_toolchain()
+    src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
+    src.write_text(source)
+    ours = [f"-I{p}" for p in (*more_includes, *hopper.include_dirs())]
+    nvcc = [str(chain.nvcc), *COMMON_FLAGS, hopper.GENCODE, *ours, *include_flags(chain)]
+    subprocess.run([*nvcc, "-o", str(obj), str(src)], check=True, capture_output=True, timeout=600)
+    link = ["g++", "-o", str(exe), str(obj), str(chain.cudart_static), "-lpthread", "-ldl", "-lrt"]
+    subprocess.run(link, check=True, capture_output=True, timeout=120)
+    return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
 _SCHEDULER_PROBE = r"""
 #include "hopper_fmha.cuh"
 #include <cstdio>
@@ -637,16 +651,7 @@ def test_tile_schedulers_choose_grid_and_order_on_the_host(tmp_path: Path) -> No
     N16, and at head dim 128 chunks of one head (each head heaviest first, as balanced as the
     plain order) where no larger chunk is kMinGain ahead (B8 S2048 N16) and 9 heads where one is
     (B1 S4096 N16: 77 tile steps for the busiest CTA instead of 104)."""
-    chain = find_toolchain()
-    src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
-    src.write_text(_SCHEDULER_PROBE)
-    # the service's own nvcc flags and include dirs, linked as the benchmark links its library
-    ours = [f"-I{p}" for p in hopper.include_dirs()]
-    nvcc = [str(chain.nvcc), *COMMON_FLAGS, hopper.GENCODE, *ours, *include_flags(chain)]
-    subprocess.run([*nvcc, "-o", str(obj), str(src)], check=True, capture_output=True, timeout=600)
-    link = ["g++", "-o", str(exe), str(obj), str(chain.cudart_static), "-lpthread", "-ldl", "-lrt"]
-    subprocess.run(link, check=True, capture_output=True, timeout=120)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    out = _run_host_probe(tmp_path, _SCHEDULER_PROBE).split("\n")
     assert out[:3] == ["grid 4096 128", "grid 2048 132", "grid 100 100"]
     assert out[3:6] == ["chunk 1408 32", "chunk 384 64", "chunk 352 32"], out
     assert out[6:9] == ["shifted 64 1408 32", "shifted 128 384 64", "shifted 64 352 32"], out
@@ -691,15 +696,7 @@ def test_window_key_tiles_cover_the_window_and_no_more(tmp_path: Path) -> None:
     (the last) may keep the tiles of its rows past the end, and a block whose rows see no key
     at all keeps one tile (the mainloop needs one; the rows come out as zeros). Both alignments,
     W from one key to past both lengths, fewer and more keys than queries."""
-    chain = find_toolchain()
-    src, obj, exe = tmp_path / "probe.cu", tmp_path / "probe.o", tmp_path / "probe"
-    src.write_text(_WINDOW_TILES_PROBE)
-    ours = [f"-I{p}" for p in (hopper.WINDOW_KERNELS_DIR, *hopper.include_dirs())]
-    nvcc = [str(chain.nvcc), *COMMON_FLAGS, hopper.GENCODE, *ours, *include_flags(chain)]
-    subprocess.run([*nvcc, "-o", str(obj), str(src)], check=True, capture_output=True, timeout=600)
-    link = ["g++", "-o", str(exe), str(obj), str(chain.cudart_static), "-lpthread", "-ldl", "-lrt"]
-    subprocess.run(link, check=True, capture_output=True, timeout=120)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    out = _run_host_probe(tmp_path, _WINDOW_TILES_PROBE, hopper.WINDOW_KERNELS_DIR).split()
     rows = [out[i : i + 7] for i in range(0, len(out), 7)]
     assert len(rows) > 500
     for mode, *nums in rows:
