@@ -76,7 +76,7 @@ def cache_key(module_sha256: str, target: Target, options: CompileOptions, toolc
 
 
 #: Bumped whenever generated code or the pipeline changes in a way that alters artifacts.
-CODEGEN_REVISION = 18
+CODEGEN_REVISION = 19
 
 _TOOLCHAIN_PACKAGES = ("stackfuse", "apache-tvm", "apache-tvm-ffi", "nvidia-cutlass")
 

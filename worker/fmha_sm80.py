@@ -58,8 +58,6 @@ def _is_aligned(spec: AttentionSpec) -> bool:
     vals = [spec.head_dim, spec.head_dim_v]
     for acc in (spec.q, spec.k, spec.v):
         vals += [acc.offset, acc.row_stride, acc.head_stride]
-    if spec.bias is not None and isinstance(spec.bias.shape[3], int):
-        vals.append(spec.bias.shape[3])
     return all(v % full == 0 for v in vals)
 
 
@@ -123,12 +121,31 @@ def render_sm80(spec: AttentionSpec, symbol: str, arch: str) -> KernelSource:
     if spec.bias is not None:
         b = spec.bias.operand
         bias_lines = f"""
-  // bias [B|1, N|1, S|1, S_kv]; a broadcast dim gets stride 0
-  p.attn_bias_ptr = data_of(a{b});
+  // bias [B|1, N|1, S|1, S_kv]; a broadcast dim gets stride 0. The kernel reads bias rows in
+  // 16-byte vectors, aligned or not (kernel_forward.h's BiasLoader: "kv_len has to be a
+  // multiple of this value"): rows of another length, or a bias not on a 16-byte boundary, are
+  // copied into a workspace whose rows are padded to a multiple of 16 bytes (the kernel adds
+  // no bias past S_kv, so the padding is never read into a score)
   TVM_FFI_ICHECK_EQ(a{b}->shape[3], seq_kv) << "bias last dim must be seq_kv";
-  p.bias_strideM = a{b}->shape[2] == 1 ? 0 : a{b}->shape[3];
-  p.bias_strideH = a{b}->shape[1] == 1 ? 0 : a{b}->shape[2] * a{b}->shape[3];
-  p.bias_strideB = a{b}->shape[0] == 1 ? 0 : a{b}->shape[1] * a{b}->shape[2] * a{b}->shape[3];"""
+  constexpr int64_t kBiasVector = 16 / sizeof(Element);
+  Element* bias = data_of(a{b});
+  int64_t bias_row = seq_kv;
+  if (seq_kv % kBiasVector != 0 || reinterpret_cast<uintptr_t>(bias) % 16 != 0) {{
+    bias_row = (seq_kv + kBiasVector - 1) / kBiasVector * kBiasVector;
+    const int64_t rows = a{b}->shape[0] * a{b}->shape[1] * a{b}->shape[2];
+    bias_copy = TVMBackendAllocWorkspace(kDLCUDA, device, uint64_t(rows) * bias_row *
+                                         sizeof(Element), {code}, {bits});
+    TVM_FFI_ICHECK(bias_copy != nullptr) << "could not allocate the padded attention bias";
+    cudaError_t e = cudaMemcpy2DAsync(bias_copy, bias_row * sizeof(Element), bias,
+                                      seq_kv * sizeof(Element), seq_kv * sizeof(Element), rows,
+                                      cudaMemcpyDeviceToDevice, stream);
+    TVM_FFI_ICHECK(e == cudaSuccess) << "padding the attention bias: " << cudaGetErrorString(e);
+    bias = static_cast<Element*>(bias_copy);
+  }}
+  p.attn_bias_ptr = bias;
+  p.bias_strideM = a{b}->shape[2] == 1 ? 0 : bias_row;
+  p.bias_strideH = a{b}->shape[1] == 1 ? 0 : a{b}->shape[2] * bias_row;
+  p.bias_strideB = a{b}->shape[0] == 1 ? 0 : a{b}->shape[1] * a{b}->shape[2] * bias_row;"""
     seqstart_lines = ""
     if ragged is not None:
         seqstart_lines = """
@@ -219,9 +236,11 @@ void run({args}, DLTensor* out) {{
   p.v_strideH = {v.head_stride};
   p.q_strideB = int64_t({q.row_stride}) * seq_q;
   p.k_strideB = int64_t({k.row_stride}) * seq_kv;
-  p.v_strideB = int64_t({v.row_stride}) * seq_kv;{bias_lines}{seqstart_lines}
+  p.v_strideB = int64_t({v.row_stride}) * seq_kv;
 
   const int device = out->device.device_id;
+  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
+  void* bias_copy = nullptr;{bias_lines}{seqstart_lines}
   void* workspace = nullptr;
   if (Attention::kNeedsOutputAccumulatorBuffer) {{
     const uint64_t bytes = uint64_t(batch) * seq_q * {spec.num_q_heads * spec.head_dim_v} *
@@ -244,10 +263,11 @@ void run({args}, DLTensor* out) {{
       raised[device] = true;
     }}
   }}
-  cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
   kernel_fn<<<p.getBlocksGrid(), p.getThreadsGrid(), smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
+  // the workspace pool frees in the reverse order of allocation
   if (workspace != nullptr) TVMBackendFreeWorkspace(kDLCUDA, device, workspace);
+  if (bias_copy != nullptr) TVMBackendFreeWorkspace(kDLCUDA, device, bias_copy);
   if (err != cudaSuccess) {{
     TVM_FFI_THROW(RuntimeError) << "CUTLASS attention launch failed: " << cudaGetErrorString(err);
   }}

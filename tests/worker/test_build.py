@@ -125,6 +125,21 @@ def test_symbolic_batch_builds(kernel_settings: Settings, tmp_path: Path) -> Non
     assert res.library.exists()
 
 
+def test_a_bias_of_odd_length_builds_on_the_sm80_class_kernel(
+    kernel_settings: Settings, tmp_path: Path
+) -> None:
+    """A bias row of 300 halves (not a whole number of the kernel's 16-byte bias loads): the
+    launcher pads it into a workspace, and that C++ compiles and links (its numerics: the
+    window cases of benchmarks/gpu_cases.py, masks of S 300 and 500, on the H200)."""
+    mod = stacked_attention_module(1, 300, 4, 64, bias_shape=(1, 4, 300, 300))
+    res = build(mod, kernel_settings, tmp_path, validate_on_gpu="never")
+    (m,) = res.report.matches
+    assert m.kernel is not None and m.kernel.family == "cutlass_fmha_sm80"
+    assert m.kernel.config["aligned"] is True
+    assert res.library.exists()
+    tvm.runtime.load_module(str(res.library))
+
+
 def test_failure_after_partition_still_writes_the_report(tmp_path: Path) -> None:
     # a fresh kernel cache and no time for nvcc: codegen fails after partitioning ran
     settings = Settings(data_dir=tmp_path / "d", kernel_cache_dir=tmp_path / "k", nvcc_timeout_s=0)

@@ -62,8 +62,26 @@ def test_strided_slice_other_order_and_bias_broadcast() -> None:
     assert assign(src, "value_ptr") == "data_of(a0) + 256"
     assert assign(src, "query_ptr") == "data_of(a0) + 512"
     assert spec.bias is not None and spec.bias.operand == 1
-    assert "p.attn_bias_ptr = data_of(a1);" in src
+    assert "Element* bias = data_of(a1);" in src
+    assert assign(src, "attn_bias_ptr") == "bias"
     assert "/*supports_bias=*/true" in src
+
+
+def test_bias_rows_reach_the_kernel_in_whole_vectors() -> None:
+    """The kernel loads bias rows in 16-byte vectors even in its unaligned build, so a row of
+    S_kv = 300 halves is copied into rows padded to 304 (a window written as a mask at S 300
+    ran into a misaligned address on the H200). The bias no longer makes the kernel unaligned;
+    broadcast dims keep stride 0 and the others step by the padded row."""
+    src = source_of(spec_of(stacked_attention_module(2, 300, 4, 64, bias_shape=(1, 4, 300, 300))))
+    assert "/*is_aligned=*/true" in src
+    assert "constexpr int64_t kBiasVector = 16 / sizeof(Element);" in src
+    assert "if (seq_kv % kBiasVector != 0 || reinterpret_cast<uintptr_t>(bias) % 16 != 0)" in src
+    assert "cudaMemcpy2DAsync(bias_copy, bias_row * sizeof(Element), bias," in src
+    assert assign(src, "bias_strideM") == "a1->shape[2] == 1 ? 0 : bias_row"
+    assert assign(src, "bias_strideH") == "a1->shape[1] == 1 ? 0 : a1->shape[2] * bias_row"
+    # the pool frees in reverse: the accumulator (allocated after the bias copy) first
+    tail = src[src.index("kernel_fn<<<") :]
+    assert tail.index("workspace);") < tail.index("bias_copy);")
 
 
 def test_causal_mask_type_and_dtype() -> None:
