@@ -27,9 +27,10 @@ ShapeClass = tuple[int, bool, str]
 Choice = str | tuple[str, ...]
 
 #: sliding-window attention (causal, ``window_size=W``) by tile head dim: the variants built with
-#: a window (``Variant.window``) skip the key tiles outside it. Unmeasured: the one variant that
-#: takes a window, the causal pick at head dims 32 and 128. No variant at head dim 256 takes one
-#: (``supports()`` refuses it; the site keeps the masked SM80-class path).
+#: a window (``Variant.window``) skip the key tiles outside it. The one variant that takes a
+#: window, the causal pick at head dims 32 and 128: attention_grid.md's windows 1.12-1.23x
+#: FlexAttention (H100), no other variant measured with one. No variant at head dim 256 takes
+#: one (``supports()`` refuses it; the site keeps the masked SM80-class path).
 WINDOW_SELECTION: dict[int, Choice] = {
     32: "pingpongk_128x128",
     64: "pingpongk_128x128",
@@ -45,11 +46,13 @@ SELECTION: dict[ShapeClass, Choice] = {
     (32, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
     # no current row; B16 S256 N16 causal: 15.3 us vs ping-pong 15.8, 9 of 9 rounds (2b192ab)
     (32, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
-    # unmeasured: no benchmark shape falls in this class
-    (32, False, "tiny"): "tma_64x128",
+    # unmeasured: no benchmark shape falls in this class (GQA: ping-pong, see below)
+    (32, False, "tiny"): ("tma_64x128", "pingpong_128x128"),
     # unmeasured; coop_128x64 lost by 23-35% at every head-dim-32 shape measured (1738cde)
     (32, True, "tiny"): "pingpong_128x128",
-    # hopper_kernel.md b2_s8192_n16_h64: 500 TFLOP/s, 1.095x SDPA's fastest
+    # hopper_kernel.md b2_s8192_n16_h64: 500 TFLOP/s, 1.095x SDPA's fastest; at medium lengths
+    # cuDNN leads (attention_grid.md: 0.85-0.99x at 6 shapes), and hopper_kernel_grid64.md has
+    # no variant ahead of cuDNN there (pingpong_128x128 4% faster at S512, still 0.90x)
     (64, False, "large"): "overlap3_192x128",
     # hopper_kernel.md b8_s2048_n16_h64_causal 1.07x SDPA; 12 large causal h64 rows 1.02-1.24x
     (64, True, "large"): "overlap3kls_192x128",
@@ -58,7 +61,7 @@ SELECTION: dict[ShapeClass, Choice] = {
     # hopper_kernel.md b1_s2048_n16_h64_causal: pingpongk 27.6 us vs overlap3kls 30.8, ping-pong 37
     (64, True, "small"): ("shortw_64x128", "shortwot_64x256", "pingpongk_128x128"),
     # hopper_kernel.md b4_s128_n12_h64: shortwo_64x128 1.425x SDPA's fastest
-    (64, False, "tiny"): ("shortwo_64x128", "shortwot_64x256", "tma_64x128"),
+    (64, False, "tiny"): ("shortwo_64x128", "shortwot_64x256", "tma_64x128", "pingpong_128x128"),
     # no current row; B4 S128 N12 causal: shortwo_64x128 3.51 us vs shortw 3.60, 9 of 9 (9466ce9)
     (64, True, "tiny"): ("shortwo_64x128", "shortwot_64x256", "pingpong_128x128"),
     # hopper_kernel.md b8_s2048_n16_h128, b4_s4096_n32_h128, its _gqa and _bf16: 1.03x each
@@ -69,7 +72,9 @@ SELECTION: dict[ShapeClass, Choice] = {
     (128, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
     # hopper_kernel.md b1_s2048_n16_h128_causal: pingpongk 34.6 us vs ping-pong 45.0
     (128, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
-    # attention_bench.md b1_s512_n16_h128: 1.13x SDPA's fastest (vs ping-pong: 3425fc6)
+    # attention_bench.md b1_s512_n16_h128: 1.13x SDPA's fastest (vs ping-pong: 3425fc6); the
+    # tma variants take no GQA (one launch per query head of a group: 0.30x in
+    # attention_grid.md), so grouped sites take ping-pong
     (128, False, "tiny"): ("tma1_64x128", "pingpong_128x128"),
     # no current row; B1 S512 N16 causal: 10.5 us vs ping-pong 12.2 (3425fc6)
     (128, True, "tiny"): ("tma1_64x128", "pingpong_128x128"),

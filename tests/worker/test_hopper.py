@@ -282,6 +282,18 @@ def test_shape_classes_follow_the_measurements() -> None:
     assert "tma1_64x128" not in hopper.variants(two)
     assert "tma1_64x128" not in hopper.variants(stacked(batch=DYNAMIC, seq=512, h=128))
     assert "one wave" in hopper.VARIANTS["tma1_64x128"].kind
+    # the tma kernels run a GQA group as one launch per query head of it, one after another
+    # (0.30x SDPA's fastest at B1 S1024 GQA 8/2 and B1 S512 16/4: attention_grid.md): grouped
+    # tiny launches take ping-pong, which reads a group in one launch, at every tile head dim
+    for gqa in (
+        stacked(batch=1, seq=1024, nq=8, nkv=2, h=128),
+        stacked(batch=1, seq=512, nq=16, nkv=4, h=128, causal="BottomRight"),
+        stacked(batch=1, seq=300, nq=12, nkv=3, h=64),
+        stacked(batch=1, seq=300, nq=12, nkv=1, h=32),
+    ):
+        assert hopper.shape_class(gqa)[2] == "tiny"
+        assert hopper.pick(gqa) == "pingpong_128x128"
+        assert not any(n.startswith("tma") for n in hopper.variants(gqa))
     # short key ranges at head dims 32 and 128: ping-pong with the next tile's Q loaded ahead
     # (16.0 vs 16.6 us, 24.4 vs 25.0, causal 23.6 vs 24.8; commit 2b192ab), only up to 256 keys (B1
     # S1024 N32, a "small" launch too: 36.6 vs 32.1 us) and never for a dynamic key length
