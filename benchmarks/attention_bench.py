@@ -762,6 +762,8 @@ def grid_markdown(doc: dict[str, Any]) -> str:
         "*ratio* = the peer's fastest kernel time / ours: > 1, we are faster. Causal masks are",
         "bottom-right (S = S_kv).",
     ]
+    if doc.get("changed_since"):  # what the code does differently now at some of these rows
+        lines += ["", f"Changed since this run: {doc['changed_since']}"]
     header = [
         "",
         "| shape | dtype | causal | heads q/kv | head dim | kernel | ours TFLOP/s "

@@ -99,6 +99,9 @@ def test_the_grid_table_reads_the_goal() -> None:
     assert "RuntimeError: x" in md
     geo = (1.1 * 0.9) ** 0.5
     assert f"Geometric mean {geo:.3f}x over 2 shapes" in md and "1 of 2 shapes >= 1.0x" in md
+    assert "Changed since" not in md
+    md = ab.grid_markdown(doc | {"changed_since": "b1 takes ping-pong."})
+    assert "\nChanged since this run: b1 takes ping-pong.\n" in md
 
 
 def test_window_rows_count_the_band_and_get_their_own_table() -> None:
