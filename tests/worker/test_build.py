@@ -130,7 +130,7 @@ def test_a_bias_of_odd_length_builds_on_the_sm80_class_kernel(
 ) -> None:
     """A bias row of 300 halves (not a whole number of the kernel's 16-byte bias loads): the
     launcher pads it into a workspace, and that C++ compiles and links (its numerics: the
-    window cases of benchmarks/gpu_cases.py, masks of S 300 and 500, on the H200)."""
+    window cases of benchmarks/gpu_cases.py, masks of S 300 and 500, on an H100)."""
     mod = stacked_attention_module(1, 300, 4, 64, bias_shape=(1, 4, 300, 300))
     res = build(mod, kernel_settings, tmp_path, validate_on_gpu="never")
     (m,) = res.report.matches
