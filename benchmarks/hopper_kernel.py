@@ -67,10 +67,14 @@ class Slot:
     #: a sliding window of this many keys (baked into the glue; the configuration reads it at
     #: run time); None: none
     window: int | None = None
+    #: a tile head dim above the smallest that holds ``head_dim`` (worker.hopper.render's
+    #: ``tile``: the comparison of one head dim in two tiles); None: the pipeline's own
+    tile: int | None = None
 
     @property
     def method(self) -> str:
-        return f"hopper:{self.variant}" + "".join(f"+{f.lstrip('-')}" for f in self.flags)
+        flags = "".join(f"+{f.lstrip('-')}" for f in self.flags)
+        return f"hopper:{self.variant}" + flags + (f"@t{self.tile}" if self.tile else "")
 
 
 _HEADS_128 = [(16, 16, 128), (32, 32, 128), (32, 8, 128), (16, 1, 128), (16, 16, 96)]
@@ -79,6 +83,14 @@ _HEADS_64 = [(16, 16, 64), (12, 12, 64), (16, 4, 64)]
 _GRID_64 = [(32, 32, 64), (10, 10, 64)]
 _HEADS_32 = [(16, 16, 32), (8, 2, 32)]
 _HEADS_256 = [(8, 8, 256), (8, 2, 256)]
+#: the heads of the attention grid's head-dim-80 and -96 shapes (``run --shapes grid96``), by
+#: dtype and mask
+_GRID_96 = {
+    "f16_none": [(16, 1, 80), (20, 20, 80), (16, 4, 96)],
+    "b16_none": [(32, 1, 80), (10, 2, 96)],
+    "f16_causal": [(32, 8, 80), (16, 16, 96)],
+    "b16_causal": [(16, 1, 80), (16, 16, 80), (20, 5, 96)],
+}
 
 
 #: the sliding windows of the window objects' numerics (one symbol each: the glue bakes W in)
@@ -95,6 +107,7 @@ def catalog() -> list[Slot]:
             list[tuple[str, int, int, int, bool]],
             tuple[str, ...],
             tuple[int | None, ...],
+            int | None,
         ]
     ] = []
 
@@ -107,11 +120,12 @@ def catalog() -> list[Slot]:
         any_seq: tuple[tuple[int, int, int], ...] | list[tuple[int, int, int]] = (),
         flags: tuple[str, ...] = (),
         windows: tuple[int, ...] = (),
+        tile: int | None = None,
     ) -> None:
         rows = [("stacked", *h, False) for h in stacked]
         rows += [("split", *h, False) for h in split]
         rows += [("stacked", *h, True) for h in any_seq]
-        objs.append((dtype, variant, causal, rows, flags, windows or (None,)))
+        objs.append((dtype, variant, causal, rows, flags, windows or (None,), tile))
 
     f16, b16 = "float16", "bfloat16"
     h128 = (16, 16, 128)
@@ -326,14 +340,58 @@ def catalog() -> list[Slot]:
                 windows=WINDOWS)  # fmt: skip
     add(f16, "pingpongk_128x128", "BottomRight@32", [(8, 2, 32)], [(16, 16, 32)], windows=WINDOWS)
 
+    # head dims 80 and 96 in the 96 tile (CuTe's 64-byte swizzle, 64 x 96 P V products), each
+    # A/B row also in the 128 tile where they ran before (``tile=128``): the grid96 shapes
+    for tile in (None, 128):
+        add(f16, "overlap_128x128", "none@96", _GRID_96["f16_none"], tile=tile,
+            split=[(16, 4, 96)] if tile is None else [],
+            any_seq=[(16, 16, 96), (12, 3, 80)] if tile is None else [])  # fmt: skip
+        add(b16, "overlap_128x128", "none@96", _GRID_96["b16_none"], tile=tile)
+        add(f16, "pingpongk_128x128", "TopLeft@96", _GRID_96["f16_causal"], tile=tile,
+            split=[(16, 4, 96)] if tile is None else [],
+            any_seq=[(16, 16, 96)] if tile is None else [])  # fmt: skip
+        add(b16, "pingpongk_128x128", "TopLeft@96", _GRID_96["b16_causal"], tile=tile)
+        add(f16, "pingpongq_128x128", "none@96", [(12, 1, 96)], tile=tile,
+            any_seq=[(12, 1, 96)] if tile is None else [])  # fmt: skip
+        add(b16, "pingpong_128x128", "TopLeft@96", [(12, 1, 96)], tile=tile)
+    add(f16, "pingpongk_128x128", "BottomRight@96", [], [(16, 4, 96), (12, 12, 80)])
+    add(b16, "pingpongq_128x128", "none@96", [(12, 3, 80)])
+    add(b16, "pingpong_128x128", "none@96", [(12, 3, 80), (16, 16, 96)])
+    add(f16, "pingpongq_128x128", "TopLeft@96", [(12, 1, 96)], [], [(12, 1, 96)])
+    add(f16, "tma1_64x128", "TopLeft@96", [(8, 8, 80)], [(16, 16, 96)], [(8, 8, 80)])
+    add(f16, "pingpong_128x128", "TopLeft@96", [(8, 8, 80)])
+    add(b16, "tma1_64x128", "none@96", [(16, 16, 96)], [(16, 16, 96)])
+    for dtype in (f16, b16):
+        add(dtype, "pingpongk_128x128", "BottomRight@96", [(16, 4, 96)], [(12, 12, 80)],
+            windows=WINDOWS)  # fmt: skip
+    add(f16, "pingpongk_128x128", "TopLeft@96", [(16, 4, 80)], [(12, 12, 96)], windows=WINDOWS)
+
+    # the attention grid's shapes still below SDPA's fastest (``run --shapes gridlow``): the
+    # selected variant beside the others its class could take
+    mqa, gqa3 = (16, 1, 64), (12, 3, 64)
+    add(f16, "pingpongq_128x128", "none@64", [(16, 16, 64)], [], [(12, 12, 64)])
+    add(b16, "pingpongq_128x128", "none@64", [(16, 1, 64)])
+    add(b16, "pingpong_128x128", "none@64", [(16, 1, 64)])
+    add(b16, "overlap3_192x128", "none@64", [(16, 1, 64)])
+    for v in ("pingpong_128x128", "pingpongk_128x128", "overlap3kls_192x128"):
+        add(f16, v, "TopLeft@64", [mqa])
+    add(f16, "pingpongq_128x128", "TopLeft@64", [mqa, gqa3], [], [gqa3])
+    for v in ("shortwot_64x256", "shortw_64x256", "pingpongk_128x128"):
+        add(f16, v, "TopLeft@64", [gqa3])
+    for v in ("pingpongq_128x128", "pingpongk_128x128", "pingpong_128x128"):
+        add(b16, v, "TopLeft", [(12, 12, 128)])
+    for v in ("overlapoq_128x64", "overlapc_128x64"):
+        add(f16, v, "none@256", [(12, 12, 256)])
+
     from worker.hopper import VARIANTS
 
     slots: list[Slot] = []
-    for dtype, variant, causal_tag, rows, flags, windows in objs:
+    for dtype, variant, causal_tag, rows, flags, windows, tile in objs:
         causal = causal_tag.split("@")[0]
         tag = causal_tag.replace("@", "_d")
         suffix = "".join("_" + re.sub(r"[^a-z0-9]", "", f.lower()) for f in flags)
         suffix += "_window" if windows != (None,) else ""
+        suffix += f"_t{tile}" if tile is not None else ""
         obj = f"{'f16' if dtype == f16 else 'b16'}_{variant}_{tag}{suffix}"
         for kind, nq, nkv, hd, any_seq in rows:
             for win in windows:
@@ -354,6 +412,7 @@ def catalog() -> list[Slot]:
                         flags,
                         VARIANTS[variant].max_seq_kv,
                         win,
+                        tile,
                     )
                 )
     return slots
@@ -520,7 +579,7 @@ def build(out: Path, jobs: int, only: str | None) -> int:
         parts: list[str] = []
         configs: set[str] = set()
         for i, slot in enumerate(members):
-            ks = hopper.render(_spec_for(slot), slot.symbol, slot.variant)
+            ks = hopper.render(_spec_for(slot), slot.symbol, slot.variant, slot.tile)
             (cfg,) = ks.needs
             glue, cfg_source = ks.source, cfg.source
             if slot.flags:  # the same configuration built differently
@@ -690,6 +749,38 @@ GRID64_SHAPES = [
     ("b2_s4096_n10_h64", 2, 4096, 10, 10, 64, False, "float16"),
 ]
 
+#: the attention grid's head-dim-80 and -96 shapes (``run --shapes grid96``; causal ones
+#: top-left, the same mask there as S = S_kv): the 96 tile against the 128 tile they ran in
+GRID96_SHAPES = [
+    ("b1_s8192_q16_kv1_h80", 1, 8192, 16, 1, 80, False, "float16"),
+    ("b8_s1024_n20_h80", 8, 1024, 20, 20, 80, False, "float16"),
+    ("b8_s128_q12_kv3_h80_bf16", 8, 128, 12, 3, 80, False, "bfloat16"),
+    ("b4_s2048_q32_kv1_h80_bf16", 4, 2048, 32, 1, 80, False, "bfloat16"),
+    ("b1_s1024_n8_h80_causal", 1, 1024, 8, 8, 80, True, "float16"),
+    ("b1_s4096_q32_kv8_h80_causal", 1, 4096, 32, 8, 80, True, "float16"),
+    ("b2_s2048_q16_kv1_h80_causal_bf16", 2, 2048, 16, 1, 80, True, "bfloat16"),
+    ("b4_s1024_n16_h80_causal_bf16", 4, 1024, 16, 16, 80, True, "bfloat16"),
+    ("b16_s512_q16_kv4_h96", 16, 512, 16, 4, 96, False, "float16"),
+    ("b32_s256_q12_kv1_h96", 32, 256, 12, 1, 96, False, "float16"),
+    ("b1_s512_n16_h96_bf16", 1, 512, 16, 16, 96, False, "bfloat16"),
+    ("b2_s4096_q10_kv2_h96_bf16", 2, 4096, 10, 2, 96, False, "bfloat16"),
+    ("b64_s197_q12_kv1_h96_causal", 64, 197, 12, 1, 96, True, "float16"),
+    ("b1_s8192_n16_h96_causal", 1, 8192, 16, 16, 96, True, "float16"),
+    ("b8_s1024_q20_kv5_h96_causal_bf16", 8, 1024, 20, 5, 96, True, "bfloat16"),
+    ("b8_s128_q12_kv1_h96_causal_bf16", 8, 128, 12, 1, 96, True, "bfloat16"),
+]
+
+#: the attention grid's shapes below SDPA's fastest after the 96 tile (``run --shapes gridlow``;
+#: causal ones top-left, the same mask there as S = S_kv)
+GRIDLOW_SHAPES = [
+    ("b16_s512_n16_h64", 16, 512, 16, 16, 64, False, "float16"),
+    ("b4_s1024_q16_kv1_h64_bf16", 4, 1024, 16, 1, 64, False, "bfloat16"),
+    ("b1_s512_q16_kv1_h64_causal", 1, 512, 16, 1, 64, True, "float16"),
+    ("b32_s256_q12_kv3_h64_causal", 32, 256, 12, 3, 64, True, "float16"),
+    ("b32_s256_n12_h128_causal_bf16", 32, 256, 12, 12, 128, True, "bfloat16"),
+    ("b64_s197_n12_h256", 64, 197, 12, 12, 256, False, "float16"),
+]
+
 #: causal launches of a few waves and the main set's causal shapes (``run --shapes balance``):
 #: the chunked tile order's chunk sizes
 BALANCE_SHAPES = [
@@ -741,6 +832,8 @@ SHAPE_SETS = {
     "balance": BALANCE_SHAPES,
     "tail": TAIL_SHAPES,
     "grid64": GRID64_SHAPES,
+    "grid96": GRID96_SHAPES,
+    "gridlow": GRIDLOW_SHAPES,
 }
 
 

@@ -35,8 +35,10 @@ KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 WINDOW_KERNELS_DIR = Path(__file__).resolve().parent / "kernels_window"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 
-#: tile head dims the example instantiates; a head_dim below one is zero-padded by TMA
-_TILE_HEAD_DIMS = (32, 64, 128, 256)
+#: tile head dims the example instantiates; a head_dim below one is zero-padded by TMA. 96 is
+#: laid out in CuTe's 64-byte swizzle: 3-16% faster than the 128 tile at head dims 80 and 96
+#: (benchmarks/results/hopper_kernel_grid96.md)
+_TILE_HEAD_DIMS = (32, 64, 96, 128, 256)
 _SYMBOL_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2}
 _CUTLASS_TYPE = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
@@ -78,6 +80,10 @@ class Variant:
     #: also built with a sliding window (``WindowConfig``, hopper_window.cuh: the key tiles
     #: outside the window skipped); only such a variant takes a spec with one
     window: bool = False
+    #: most share of its query rows a launch may leave empty in ragged last blocks (a known
+    #: query length that is not a multiple of ``block_q``) for the variant to be offered: a
+    #: choice from measurements; None: any
+    offered_row_waste: float | None = None
 
     def takes(self, spec: AttentionSpec) -> bool:
         """Whether the variant takes ``spec``'s window (if any) and its grouped query heads (if
@@ -93,6 +99,10 @@ class Variant:
             return False
         for most in (self.max_seq_kv, self.offered_seq_kv):
             if most is not None and not (isinstance(spec.seq_kv, int) and spec.seq_kv <= most):
+                return False
+        if self.offered_row_waste is not None and isinstance(spec.seq_q, int):
+            rows = math.ceil(spec.seq_q / self.block_q) * self.block_q
+            if (rows - spec.seq_q) / rows > self.offered_row_waste:
                 return False
         if self.max_ctas is None:
             return True
@@ -136,6 +146,11 @@ class Variant:
             words += f", for launches of at most {self.max_ctas} CTAs (one wave)"
         if self.offered_seq_kv is not None:
             words += f", for at most {self.offered_seq_kv} keys"
+        if self.offered_row_waste is not None:
+            words += (
+                f", for query lengths whose last {self.block_q}-row block leaves at most"
+                f" {self.offered_row_waste:.0%} of the rows empty"
+            )
         return words
 
     def words(self, causal: bool, window: int | None = None) -> str:
@@ -260,12 +275,17 @@ VARIANTS: dict[str, Variant] = {
         # ping-pong with FlashAttention-3's intra-warpgroup overlap (hopper_overlap.cuh): a
         # warpgroup's softmax runs while its own P V product is on the tensor cores
         Variant("overlap_128x128", _PING, 128, 128, (*_OVERLAP, *_EXAMPLE_EPILOGUE)),
+        # offered where its 192-row blocks leave at most 5% of the rows empty: at S 512 and
+        # 1024 they leave 11% (576 rows for 512), and pingpong_128x128 was 4% faster at B16
+        # S512 N16 (hopper_kernel_grid64.md); at S 2048 and 4096 (3%) the two are level or
+        # overlap3 leads by 4% (b1_s4096_n32_h64)
         Variant(
             "overlap3_192x128",
             _PING,
             192,
             128,
             (*_THREE_MMA_WARPGROUPS, *_OVERLAP, *_EXAMPLE_EPILOGUE),
+            offered_row_waste=0.05,
         ),
         Variant(
             "overlap3k_192x128",
@@ -336,6 +356,7 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "pingpong_128x128",
         "pingpongk_128x128",
         "overlap_128x128",
+        "pingpongq_128x128",
         "tma_64x128",
         "tmaB_64x128",
         "shortw_64x128",
@@ -343,6 +364,13 @@ _BY_HEAD_DIM: dict[int, tuple[str, ...]] = {
         "shortwo_64x128",
         "shortwo_64x256",
         "shortwot_64x256",
+    ),
+    96: (
+        "overlap_128x128",
+        "pingpong_128x128",
+        "pingpongk_128x128",
+        "tma1_64x128",
+        "pingpongq_128x128",
     ),
     128: (
         "overlap_128x128",
@@ -550,12 +578,25 @@ def include_dirs() -> list[Path]:
     return [KERNELS_DIR, chain.fmha_hopper_dir, *chain.cutlass_includes]
 
 
-def config_type(spec: AttentionSpec, variant: str) -> str:
-    """The C++ ``Config<...>`` of ``variant`` for ``spec``'s dtype, tile head dim and mask
-    (``WindowConfig<...>`` with a sliding window, whose size is read at run time): everything
-    the CUTLASS instantiation depends on (the shape numbers are not part of it)."""
-    tile = tile_head_dim(spec.head_dim)
-    assert tile is not None
+def _tile_for(spec: AttentionSpec, tile: int | None) -> int:
+    """``spec``'s tile head dim, or ``tile`` where a caller names a larger one (the kernel
+    benchmark's comparison of one head dim in two tiles)."""
+    smallest = tile_head_dim(spec.head_dim)
+    if smallest is None:
+        raise ValueError(f"head_dim {spec.head_dim} is above every tile head dim")
+    if tile is None:
+        return smallest
+    if tile not in _TILE_HEAD_DIMS or tile < smallest:
+        raise ValueError(f"tile head dim {tile} cannot hold head_dim {spec.head_dim}")
+    return tile
+
+
+def config_type(spec: AttentionSpec, variant: str, tile: int | None = None) -> str:
+    """The C++ ``Config<...>`` of ``variant`` for ``spec``'s dtype, tile head dim (``tile``
+    where given, else the smallest that holds the head dim) and mask (``WindowConfig<...>``
+    with a sliding window, whose size is read at run time): everything the CUTLASS
+    instantiation depends on (the shape numbers are not part of it)."""
+    tile = _tile_for(spec, tile)
     v = VARIANTS[variant]
     name = "WindowConfig" if spec.window is not None else "Config"
     return (
@@ -564,12 +605,14 @@ def config_type(spec: AttentionSpec, variant: str) -> str:
     )
 
 
-def render_config(spec: AttentionSpec, variant: str) -> KernelSource:
+def render_config(spec: AttentionSpec, variant: str, tile: int | None = None) -> KernelSource:
     """The translation unit of one configuration: the CUTLASS kernel and its launcher, exported
     as a ``LaunchFn`` (hopper_api.h) named by a digest of the configuration. Every site and
     model with the same configuration shares this object; it is the expensive compile (~45 s,
-    ~4 GB on 2 cores), so it is keyed by the configuration alone."""
-    cfg = config_type(spec, variant)
+    ~4 GB on 2 cores), so it is keyed by the configuration alone. ``tile`` as in
+    :func:`config_type`."""
+    tile = _tile_for(spec, tile)
+    cfg = config_type(spec, variant, tile)
     symbol = "stackfuse_hcfg_" + hashlib.sha256(cfg.encode()).hexdigest()[:24]
     header = f"// Generated by stackfuse worker.hopper ({FAMILY} configuration). Type names only."
     dirs = include_dirs()
@@ -594,13 +637,12 @@ Status {symbol}(Problem const& p, {signature}cudaStream_t stream, cudaError_t* c
 }}  // namespace hopper
 }}  // namespace stackfuse
 """
-    tile = tile_head_dim(spec.head_dim)
     return KernelSource(
         symbol=symbol,
         source=source,
         family=FAMILY,
         flags=(GENCODE, *(f"-I{p}" for p in dirs)),
-        config={**VARIANTS[variant].config, "tile_head_dim": tile or 0, "type": cfg},
+        config={**VARIANTS[variant].config, "tile_head_dim": tile, "type": cfg},
     )
 
 
@@ -634,17 +676,18 @@ def selected_configs(
     return list(out.values())
 
 
-def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
+def render(spec: AttentionSpec, symbol: str, variant: str, tile: int | None = None) -> KernelSource:
     """One translation unit exporting ``symbol(op_0, ..., op_{n-1}, out)`` for ``spec``: the
     TVM-FFI glue with ``spec``'s numbers, calling the configuration that ``needs`` holds
-    (:func:`render_config`), which is compiled and linked with it."""
+    (:func:`render_config`), which is compiled and linked with it. ``tile``: a tile head dim
+    larger than the smallest that holds the head dim (the kernel benchmark's comparison);
+    the pipeline never names one."""
     reason = supports(spec, "sm_90a")
     if reason is not None:
         raise ValueError(reason)
     if not _SYMBOL_RE.match(symbol):
         raise ValueError("symbol must be a C identifier")
-    tile = tile_head_dim(spec.head_dim)
-    assert tile is not None
+    tile = _tile_for(spec, tile)
     if variant not in _BY_HEAD_DIM[tile]:
         raise ValueError(
             f"variant {variant} does not exist for head_dim {spec.head_dim}; "
@@ -655,7 +698,7 @@ def render(spec: AttentionSpec, symbol: str, variant: str) -> KernelSource:
         raise ValueError(f"variant {variant} takes at most {v.max_seq_kv} keys")
     if spec.window is not None and not v.window:
         raise ValueError(f"variant {variant} takes no sliding window")
-    library = render_config(spec, variant)
+    library = render_config(spec, variant, tile)
     shapes = _operand_shapes(spec)
     n = len(shapes)
     ranks = [len(sh) if sh is not None else -1 for sh in shapes]

@@ -128,8 +128,51 @@ def test_variants_by_head_dim() -> None:
     oq = hopper.VARIANTS["overlapoq_128x64"].kind
     assert "O staged in the warpgroup's Q stage" in oq
     assert "our epilogue: one TMA store per warpgroup, in turn" in oq
-    assert hopper.variants(stacked(h=96)) == hopper.variants(stacked(h=128))
+    assert hopper.variants(stacked(h=112)) == hopper.variants(stacked(h=128))
     assert hopper.variants(stacked(h=264)) == []
+
+
+def test_head_dims_72_to_96_run_in_the_96_tile() -> None:
+    """Head dims 80 and 96 run in a tile of 96 columns, not zero-padded to 128: the products
+    of Q K^T and P V are 75% (96) or 60% (80) of the 128 tile's."""
+    tiles = {h: hopper.tile_head_dim(h) for h in (8, 32, 40, 64, 72, 80, 96, 104, 128, 256, 264)}
+    assert tiles == {
+        8: 32, 32: 32, 40: 64, 64: 64, 72: 96, 80: 96, 96: 96, 104: 128, 128: 128, 256: 256,
+        264: None,
+    }  # fmt: skip
+    for h in (80, 96):
+        spec = stacked(h=h)
+        assert hopper.supports(spec, "sm_90a") is None
+        ks = hopper.render(spec, "s", hopper.pick(spec) or "")
+        assert ks.config["tile_head_dim"] == 96
+        assert ", 128, 128, 96, " in ks.needs[0].config["type"]
+        assert set(hopper.variants(spec)) <= set(hopper.variants(stacked(h=128)))
+
+
+def test_192_row_blocks_are_offered_only_where_they_leave_few_rows_empty() -> None:
+    """Long non-causal head dim 64 takes overlap3_192x128 unless its last 192-row block leaves
+    more than 5% of the rows empty (S 512 and 1024: 64 of 576 and 128 of 1152), where the
+    128-row ping-pong kernel takes the launch (4% faster at B16 S512 N16)."""
+    for seq, pick in ((512, "pingpong_128x128"), (1024, "pingpong_128x128"),
+                      (2048, "overlap3_192x128"), (4096, "overlap3_192x128"),
+                      (8192, "overlap3_192x128"), (DYNAMIC, "overlap3_192x128")):  # fmt: skip
+        spec = stacked(batch=16, seq=seq, h=64)
+        assert hopper.shape_class(spec) == (64, False, "large")
+        assert hopper.pick(spec) == pick, seq
+    assert "leaves at most 5% of the rows empty" in hopper.VARIANTS["overlap3_192x128"].kind
+
+
+def test_a_larger_tile_is_named_only_for_a_comparison() -> None:
+    """``tile`` renders a head dim in a larger tile than its own (the kernel benchmark's A/B of
+    the 96 and 128 tiles); a tile that cannot hold the head dim, or is no tile, is refused."""
+    spec = stacked(h=96)
+    own = hopper.render(spec, "s", "overlap_128x128")
+    wide = hopper.render(spec, "s", "overlap_128x128", tile=128)
+    assert wide.needs[0].config["type"] == hopper.config_type(stacked(h=128), "overlap_128x128")
+    assert own.needs != wide.needs and wide.config["tile_head_dim"] == 128
+    for bad in (64, 100):
+        with pytest.raises(ValueError, match=f"tile head dim {bad} cannot hold head_dim 96"):
+            hopper.render(spec, "s", "overlap_128x128", tile=bad)
 
 
 def test_selection_pick_comes_first_and_is_valid() -> None:
@@ -150,7 +193,7 @@ def test_selection_pick_comes_first_and_is_valid() -> None:
 
 
 def test_selection_covers_every_shape_class() -> None:
-    for tile in (32, 64, 128, 256):
+    for tile in (32, 64, 96, 128, 256):
         for causal in (False, True):
             for size in ("tiny", "small", "large"):
                 choice = hopper.SELECTION[(tile, causal, size)]
@@ -482,7 +525,7 @@ def test_one_configuration_object_serves_every_shape_of_it() -> None:
     models that differ in batch, length, heads or strides share its object (one ~45 s compile),
     and only their glue (seconds) is compiled per shape."""
     a = hopper.render(stacked(nq=32, nkv=8, h=128), "a", "pingpong_128x128")
-    b = hopper.render(stacked(batch=2, seq=4096, nq=12, nkv=12, h=96), "b", "pingpong_128x128")
+    b = hopper.render(stacked(batch=2, seq=4096, nq=12, nkv=12, h=112), "b", "pingpong_128x128")
     assert a.source != b.source
     assert a.needs == b.needs
     causal = hopper.render(stacked(nq=32, nkv=8, h=128, causal="TopLeft"), "c", "pingpong_128x128")
@@ -783,7 +826,7 @@ def test_prebuild_covers_every_configuration_the_selection_picks() -> None:
     """`stackfuse prebuild` compiles selected_configs(): every shape class's pick, either
     dtype, each causal mode, must be among them, or a warm worker would still compile."""
     warm = {hopper.render_config(sp, v).source for v, sp in hopper.selected_configs()}
-    for tile in (32, 64, 128, 256):
+    for tile in (32, 64, 96, 128, 256):
         for seq, batch in ((128, 1), (256, 32), (2048, 8)):
             for causal in ("none", "TopLeft", "BottomRight"):
                 for dtype in ("float16", "bfloat16"):
@@ -831,6 +874,24 @@ def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
     assert "struct BuildTag" in a
     # the glue calls the configuration's function by its new name, each build its own
     assert function(glue_a) == function(a) != function(glue_b) == function(b) != function(glue)
+
+
+def test_the_benchmarks_96_and_128_tile_builds_are_objects_and_methods_of_their_own() -> None:
+    """grid96 times each head-dim-80/96 spec in the 96 tile and again in the 128 tile it ran in
+    before: the two must be distinct objects (one configuration each) and distinct methods."""
+    from benchmarks.hopper_kernel import GRID96_SHAPES, _bench_slots, catalog
+
+    slots = [s for s in catalog() if s.obj.startswith("f16_overlap_128x128_none_d96")]
+    own = {s.symbol: s for s in slots if s.tile is None}
+    wide = {s.symbol: s for s in slots if s.tile == 128}
+    assert own and wide and not set(own) & set(wide)
+    assert {s.method for s in wide.values()} == {"hopper:overlap_128x128@t128"}
+    for s in wide.values():
+        ks = hopper.render(stacked(nq=s.nq, nkv=s.nkv, h=s.head_dim), "x", s.variant, s.tile)
+        assert ks.needs[0].config["tile_head_dim"] == 128
+    manifest = [asdict(s) for s in catalog()]
+    for shape in GRID96_SHAPES:  # every shape times at least one 96-tile build
+        assert any(slot["tile"] is None for slot in _bench_slots(manifest, shape)), shape[0]
 
 
 def _bench_row(method: str, passes: list[float]) -> dict[str, object]:
