@@ -39,6 +39,7 @@ import ctypes
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -510,7 +511,10 @@ def run(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) ->
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
-        "command": f"python -m benchmarks.attention_bench {'grid' if grid else 'run'} <libs>",
+        "command": (
+            (f"STACKFUSE_BENCH_ROUNDS={ROUNDS} " if "STACKFUSE_BENCH_ROUNDS" in os.environ else "")
+            + f"python -m benchmarks.attention_bench {'grid' if grid else 'run'} <libs>"
+        ),
         "note": "ratio > 1 means faster than the peer; kernel time from torch.profiler (CUPTI)",
         "rows": rows,
     }
