@@ -54,7 +54,7 @@ SELECTION: dict[ShapeClass, Choice] = {
     # unmeasured; coop_128x64 lost by 23-35% at every head-dim-32 shape measured (1738cde)
     (32, True, "tiny"): "pingpong_128x128",
     # hopper_kernel.md b2_s8192_n16_h64: 500 TFLOP/s, 1.095x SDPA's fastest; at medium lengths
-    # cuDNN leads (attention_grid.md: 0.85-0.99x at 6 shapes), and hopper_kernel_grid64.md has
+    # cuDNN leads (attention_grid.md: 0.88-0.99x at 6 shapes), and hopper_kernel_grid64.md has
     # no variant ahead of cuDNN there. Where 192-row blocks leave more than 5% of the rows
     # empty (S 512, 1024: overlap3's offered_row_waste), pingpong_128x128: 4% faster at B16 S512
     # N16 (hopper_kernel_grid64.md), still 0.90x cuDNN
@@ -76,11 +76,12 @@ SELECTION: dict[ShapeClass, Choice] = {
     (96, False, "large"): "overlap_128x128",
     # b1_s8192_n16_h96_causal 1.229x, b1_s4096_q32_kv8_h80_causal 1.244x
     (96, True, "large"): "pingpongk_128x128",
-    # b32_s256_q12_kv1_h96 1.059x; b8_s128_q12_kv3_h80_bf16 1.035x (ping-pong level)
+    # b32_s256_q12_kv1_h96 1.059x (pingpongq 29.4 us in the 96 tile, 30.9 in the 128)
     (96, False, "small"): ("pingpongq_128x128", "pingpong_128x128"),
     # b64_s197_q12_kv1_h96_causal 1.108x
     (96, True, "small"): ("pingpongq_128x128", "pingpongk_128x128"),
-    # b1_s512_n16_h96_bf16: tma1 9.9 us vs ping-pong 10.3, 1.121x
+    # b1_s512_n16_h96_bf16: tma1 9.9 us vs ping-pong 10.3, 1.121x; GQA
+    # b8_s128_q12_kv3_h80_bf16: ping-pong 1.035x
     (96, False, "tiny"): ("tma1_64x128", "pingpong_128x128"),
     # b1_s1024_n8_h80_causal: tma1 14.9 us vs ping-pong 15.5, 1.221x; GQA
     # b8_s128_q12_kv1_h96_causal_bf16: ping-pong 1.028x
