@@ -133,9 +133,8 @@ def render_sm80(spec: AttentionSpec, symbol: str, arch: str) -> KernelSource:
   if (seq_kv % kBiasVector != 0 || reinterpret_cast<uintptr_t>(bias) % 16 != 0) {{
     bias_row = (seq_kv + kBiasVector - 1) / kBiasVector * kBiasVector;
     const int64_t rows = a{b}->shape[0] * a{b}->shape[1] * a{b}->shape[2];
-    bias_copy = TVMBackendAllocWorkspace(kDLCUDA, device, uint64_t(rows) * bias_row *
-                                         sizeof(Element), {code}, {bits});
-    TVM_FFI_ICHECK(bias_copy != nullptr) << "could not allocate the padded attention bias";
+    void* bias_copy = workspaces.take(uint64_t(rows) * bias_row * sizeof(Element), {code},
+                                      {bits}, "the padded attention bias");
     cudaError_t e = cudaMemcpy2DAsync(bias_copy, bias_row * sizeof(Element), bias,
                                       seq_kv * sizeof(Element), seq_kv * sizeof(Element), rows,
                                       cudaMemcpyDeviceToDevice, stream);
@@ -200,7 +199,26 @@ void expect(DLTensor* t, const char* what, int ndim, std::initializer_list<int64
       s *= t->shape[j];
     }}
   }}
-}}{ragged_helper}
+}}
+
+// The workspaces one call takes from TVM's pool, given back when the call returns or throws
+// (a failed check after an allocation must not leak it), in the reverse order of allocation,
+// which is the order the pool frees in. Freed right after the launch: the pool's reuse is
+// stream-ordered.
+struct Workspaces {{
+  int device;
+  void* taken[2] = {{nullptr, nullptr}};
+  int count = 0;
+  void* take(uint64_t bytes, int code, int bits, const char* what) {{
+    void* ptr = TVMBackendAllocWorkspace(kDLCUDA, device, bytes, code, bits);
+    TVM_FFI_ICHECK(ptr != nullptr) << "could not allocate " << what;
+    taken[count++] = ptr;
+    return ptr;
+  }}
+  ~Workspaces() {{
+    while (count > 0) TVMBackendFreeWorkspace(kDLCUDA, device, taken[--count]);
+  }}
+}};{ragged_helper}
 
 void run({args}, DLTensor* out) {{
 {checks}
@@ -240,14 +258,12 @@ void run({args}, DLTensor* out) {{
 
   const int device = out->device.device_id;
   cudaStream_t stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, device));
-  void* bias_copy = nullptr;{bias_lines}{seqstart_lines}
-  void* workspace = nullptr;
+  Workspaces workspaces{{device}};{bias_lines}{seqstart_lines}
   if (Attention::kNeedsOutputAccumulatorBuffer) {{
     const uint64_t bytes = uint64_t(batch) * seq_q * {spec.num_q_heads * spec.head_dim_v} *
                            sizeof(typename Attention::output_accum_t);
-    workspace = TVMBackendAllocWorkspace(kDLCUDA, device, bytes, kDLFloat, 32);
-    TVM_FFI_ICHECK(workspace != nullptr) << "could not allocate the attention accumulator";
-    p.output_accum_ptr = static_cast<typename Attention::output_accum_t*>(workspace);
+    p.output_accum_ptr = static_cast<typename Attention::output_accum_t*>(
+        workspaces.take(bytes, kDLFloat, 32, "the attention accumulator"));
   }}
   TVM_FFI_ICHECK(Attention::check_supported(p))
       << "CUTLASS attention rejected the operands (alignment of pointers or strides)";
@@ -265,9 +281,6 @@ void run({args}, DLTensor* out) {{
   }}
   kernel_fn<<<p.getBlocksGrid(), p.getThreadsGrid(), smem_bytes, stream>>>(p);
   cudaError_t err = cudaGetLastError();
-  // the workspace pool frees in the reverse order of allocation
-  if (workspace != nullptr) TVMBackendFreeWorkspace(kDLCUDA, device, workspace);
-  if (bias_copy != nullptr) TVMBackendFreeWorkspace(kDLCUDA, device, bias_copy);
   if (err != cudaSuccess) {{
     TVM_FFI_THROW(RuntimeError) << "CUTLASS attention launch failed: " << cudaGetErrorString(err);
   }}

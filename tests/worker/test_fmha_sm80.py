@@ -79,9 +79,13 @@ def test_bias_rows_reach_the_kernel_in_whole_vectors() -> None:
     assert "cudaMemcpy2DAsync(bias_copy, bias_row * sizeof(Element), bias," in src
     assert assign(src, "bias_strideM") == "a1->shape[2] == 1 ? 0 : bias_row"
     assert assign(src, "bias_strideH") == "a1->shape[1] == 1 ? 0 : a1->shape[2] * bias_row"
-    # the pool frees in reverse: the accumulator (allocated after the bias copy) first
-    tail = src[src.index("kernel_fn<<<") :]
-    assert tail.index("workspace);") < tail.index("bias_copy);")
+    # both workspaces come from one owner that gives them back in reverse (the pool's order)
+    # when the call returns or throws: a failed check after the copy must not leak it
+    assert "workspaces.take(uint64_t(rows) * bias_row * sizeof(Element)" in src
+    destructor = "~Workspaces() {\n    while (count > 0) TVMBackendFreeWorkspace(kDLCUDA, device, "
+    assert destructor + "taken[--count]);" in src
+    assert src.count("TVMBackendFreeWorkspace(") == 2  # the declaration and the destructor
+    assert src.index("Workspaces workspaces{device};") < src.index("check_supported(p)")
 
 
 def test_causal_mask_type_and_dtype() -> None:
@@ -115,7 +119,7 @@ def test_tile_config_and_workspace_for_large_value_head_dim() -> None:
     assert fmha_sm80.workspace_bytes(big, cfg) == 2 * 16 * 4 * 256 * 4
     assert fmha_sm80.workspace_bytes(small, fmha_sm80.sm80_config(small, True)) == 0
     ks, _ = selection.select_kernel(big, "sm_90", "sm80")
-    assert "TVMBackendAllocWorkspace(kDLCUDA, device, bytes" in ks.source
+    assert 'workspaces.take(bytes, kDLFloat, 32, "the attention accumulator")' in ks.source
     assert "cudaMalloc" not in ks.source
 
 
