@@ -203,13 +203,14 @@ def catalog() -> list[Slot]:
     add(f16, "overlap_128x128", "TopLeft@32", _HEADS_32, [], [(16, 16, 32)])
     add(f16, "pingpong_128x128", "TopLeft@32", _HEADS_32)
     add(f16, "tma_64x128", "TopLeft@32", _HEADS_32)
-    # flush-to-zero float math (exp2f becomes one MUFU.EX2, no subnormal fix-up): an experiment
-    ftz = ("-ftz=true",)
-    add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=ftz)
-    add(f16, "pingpong_128x128", "TopLeft", [h128], flags=ftz)
-    add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64)], flags=ftz)
-    add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=ftz)
-    add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=ftz)
+    # without flush-to-zero float math (worker.hopper.FTZ: exp2f as one MUFU.EX2, no subnormal
+    # fix-up), the control of its A/B (nvcc takes the last -ftz)
+    no_ftz = ("-ftz=false",)
+    add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=no_ftz)
+    add(f16, "pingpong_128x128", "TopLeft", [h128], flags=no_ftz)
+    add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64), (16, 16, 64)], flags=no_ftz)
+    add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=no_ftz)
+    add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=no_ftz)
     # causal three-warpgroup tiles in a heavy-first order within chunks of heads
     add(f16, "overlap3k_192x128", "TopLeft@64", [(16, 16, 64)], [(16, 4, 64)], [(12, 12, 64)])
     add(f16, "overlap3k_192x128", "BottomRight@64", [], [(12, 12, 64), (16, 4, 64)])
@@ -382,6 +383,17 @@ def catalog() -> list[Slot]:
         add(b16, v, "TopLeft", [(12, 12, 128)])
     for v in ("overlapoq_128x64", "overlapc_128x64"):
         add(f16, v, "none@256", [(12, 12, 256)])
+    # the same without flush-to-zero float math: the example's softmax (the ping-pong kernels')
+    # calls exp2f, which then adds a compare and two predicated multiplies to each
+    # probability's MUFU.EX2. The overlapped mainloops call ex2.approx.ftz in their loops
+    # either way: their two show what the flag does to the rest
+    add(f16, "pingpongq_128x128", "none@64", [(16, 16, 64)], flags=no_ftz)
+    add(b16, "pingpong_128x128", "none@64", [(16, 1, 64)], flags=no_ftz)
+    add(f16, "pingpong_128x128", "TopLeft@64", [mqa], flags=no_ftz)
+    for v in ("pingpongq_128x128", "pingpongk_128x128"):
+        add(b16, v, "TopLeft", [(12, 12, 128)], flags=no_ftz)
+    add(f16, "overlap3_192x128", "none@64", [(16, 16, 64)], flags=no_ftz)
+    add(f16, "overlapoq_128x64", "none@256", [(12, 12, 256)], flags=no_ftz)
 
     from worker.hopper import VARIANTS
 

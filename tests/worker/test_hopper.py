@@ -573,6 +573,8 @@ def test_render_flags_target_sm90a_and_the_example() -> None:
     assert any(f == f"-I{hopper.KERNELS_DIR}" for f in cfg.flags)
     assert any(f == f"-I{hopper.KERNELS_DIR}" for f in ks.flags)
     assert not any(f.endswith("88_hopper_fmha") for f in ks.flags)  # the glue needs no CUTLASS
+    # flush-to-zero float math in the kernel's unit only (exp2f as one MUFU.EX2)
+    assert "-ftz=true" in cfg.flags and "-ftz=true" not in ks.flags
     assert ks.config["variant"] == "coop_128x128"
 
 
