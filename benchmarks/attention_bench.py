@@ -264,8 +264,13 @@ def build(out_dir: Path, names: list[str] | None = None, *, grid: bool = False) 
                 settings=get_settings(),
             )
             kernels = sorted({m.kernel.family for m in res.report.matches if m.kernel})
+            # the Hopper variant, or the family of a kernel that has no variants (SM80-class)
             variants = sorted(
-                {str(m.kernel.config.get("variant", "")) for m in res.report.matches if m.kernel}
+                {
+                    str(m.kernel.config.get("variant") or m.kernel.family)
+                    for m in res.report.matches
+                    if m.kernel
+                }
             )
             (out_dir / shape["name"] / way / "meta.json").write_text(
                 json.dumps({"shape": shape, "kernels": kernels, "variants": variants})
