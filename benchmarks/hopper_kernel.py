@@ -208,7 +208,7 @@ def catalog() -> list[Slot]:
     no_ftz = ("-ftz=false",)
     add(f16, "pingpong_128x128", "none", [h128, (32, 8, 128)], flags=no_ftz)
     add(f16, "pingpong_128x128", "TopLeft", [h128], flags=no_ftz)
-    add(f16, "pingpong_128x128", "none@64", [(12, 12, 64), (16, 4, 64), (16, 16, 64)], flags=no_ftz)
+    add(f16, "pingpong_128x128", "none@64", _HEADS_64 + _GRID_64, flags=no_ftz)
     add(f16, "pingpong3_192x128", "none@64", [(16, 16, 64)], flags=no_ftz)
     add(f16, "tma_64x128", "none@64", [(12, 12, 64)], flags=no_ftz)
     # causal three-warpgroup tiles in a heavy-first order within chunks of heads
