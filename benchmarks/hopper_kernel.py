@@ -342,7 +342,7 @@ def catalog() -> list[Slot]:
     add(f16, "pingpongk_128x128", "BottomRight@32", [(8, 2, 32)], [(16, 16, 32)], windows=WINDOWS)
 
     # head dims 80 and 96 in the 96 tile (CuTe's 64-byte swizzle, 64 x 96 P V products), each
-    # A/B row also in the 128 tile where they ran before (``tile=128``): the grid96 shapes
+    # A/B row also zero-padded in the 128 tile (``tile=128``): the grid96 shapes
     for tile in (None, 128):
         add(f16, "overlap_128x128", "none@96", _GRID_96["f16_none"], tile=tile,
             split=[(16, 4, 96)] if tile is None else [],
@@ -762,7 +762,7 @@ GRID64_SHAPES = [
 ]
 
 #: the attention grid's head-dim-80 and -96 shapes (``run --shapes grid96``; causal ones
-#: top-left, the same mask there as S = S_kv): the 96 tile against the 128 tile they ran in
+#: top-left, the same mask there as S = S_kv): the 96 tile against the 128 tile (zero-padded)
 GRID96_SHAPES = [
     ("b1_s8192_q16_kv1_h80", 1, 8192, 16, 1, 80, False, "float16"),
     ("b8_s1024_n20_h80", 8, 1024, 20, 20, 80, False, "float16"),

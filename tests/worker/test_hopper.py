@@ -879,8 +879,8 @@ def test_a_flagged_benchmark_build_gets_a_kernel_type_of_its_own() -> None:
 
 
 def test_the_benchmarks_96_and_128_tile_builds_are_objects_and_methods_of_their_own() -> None:
-    """grid96 times each head-dim-80/96 spec in the 96 tile and again in the 128 tile it ran in
-    before: the two must be distinct objects (one configuration each) and distinct methods."""
+    """grid96 times each head-dim-80/96 spec in the 96 tile and again, zero-padded, in the
+    128 tile: the two must be distinct objects (one configuration each) and distinct methods."""
     from benchmarks.hopper_kernel import GRID96_SHAPES, _bench_slots, catalog
 
     slots = [s for s in catalog() if s.obj.startswith("f16_overlap_128x128_none_d96")]
